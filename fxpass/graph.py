@@ -1,0 +1,121 @@
+"""Small graph utilities shared by the rewriter, the rules and the backends."""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+aten = torch.ops.aten
+
+#: meta key under which a placeholder carries the real tensor it is frozen to (weights, buffers).
+FROZEN = "fxpass_frozen"
+
+
+def fake_mode_of(gm: GraphModule) -> Any:
+    """The FakeTensorMode the graph's ``meta["val"]`` tensors live in, or a fresh one."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                mode = detect_fake_mode([v])
+                if mode is not None:
+                    break
+    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def require_meta(gm: GraphModule) -> None:
+    """Fail with the fix when a graph has no ``meta['val']`` (rules need shapes and dtypes)."""
+    missing = [
+        n.name
+        for n in gm.graph.nodes
+        if n.op in ("placeholder", "call_function", "get_attr") and "val" not in n.meta
+    ]
+    if missing:
+        raise ValueError(
+            f"fxpass needs meta['val'] on every node; missing on {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}. Trace with make_fx / AOTAutograd, or run "
+            "fxpass.graph.propagate_meta(gm, *example_inputs) first."
+        )
+
+
+def propagate_meta(gm: GraphModule, *example_inputs: torch.Tensor) -> GraphModule:
+    """Fill ``meta['val']`` by fake-tensor propagation of ``example_inputs``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+    return gm
+
+
+def val(node: Any) -> Any:
+    """``meta['val']`` of a node, or the value itself for non-node arguments."""
+    return node.meta.get("val") if isinstance(node, Node) else node
+
+
+def is_static(v: Any) -> bool:
+    """True when a fake tensor (or a tuple of them) has only concrete sizes."""
+    if isinstance(v, (tuple, list)):
+        return all(is_static(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return all(isinstance(s, int) for s in v.shape)
+    return not isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool)
+
+
+def constant_value(node: Any) -> torch.Tensor | None:
+    """The real tensor behind a ``get_attr`` or a frozen placeholder, else None."""
+    if not isinstance(node, Node):
+        return None
+    if node.op == "get_attr":
+        obj: Any = node.graph.owning_module
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
+    if node.op == "placeholder":
+        return node.meta.get(FROZEN)
+    return None
+
+
+_IMPURE_TARGETS = {operator.setitem}
+
+
+def is_pure(node: Node) -> bool:
+    """Whether erasing an unused ``node`` cannot change behaviour."""
+    if node.op in ("placeholder", "output"):
+        return False
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function" or node.target in _IMPURE_TARGETS:
+        return False
+    return not node.is_impure()
+
+
+def erase_if_dead(node: Node, erased: list[Node] | None = None) -> None:
+    """Erase ``node`` and, transitively, producers that became unused. Iterative, not recursive."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n._erased or n.users or not is_pure(n):
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        if erased is not None:
+            erased.append(n)
+        stack.extend(inputs)
+
+
+def fingerprint(gm: GraphModule) -> str:
+    """Structural hash of a graph including node arguments (used by contract checks, caches)."""
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        h.update(f"{n.op}|{n.name}|{n.target}|{n.args!r}|{sorted(n.kwargs.items())!r};".encode())
+    return h.hexdigest()

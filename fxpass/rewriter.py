@@ -1,0 +1,221 @@
+"""The Rewriter: the only way rules touch a graph.
+
+It keeps every mutation of one rule application in an undo log, so a rule that raises (or
+that the driver rejects) leaves the graph exactly as it was, and it tells the driver what to
+revisit. New nodes get ``meta['val']`` by running the op on the inputs' fake tensors, so later
+rules and the partitioner always see shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+
+from .graph import constant_value, erase_if_dead, fake_mode_of, is_static
+
+_MISSING = object()
+
+
+class RuleError(RuntimeError):
+    """A rule raised; the graph was rolled back. Names the rule and the node."""
+
+    def __init__(self, rule: str, node: str, cause: BaseException):
+        super().__init__(f"rule {rule!r} failed on node {node!r}: {type(cause).__name__}: {cause}")
+        self.rule, self.node, self.cause = rule, node, cause
+
+
+class Rewriter:
+    """Transactional graph editing with fake-tensor meta propagation."""
+
+    def __init__(self, gm: GraphModule, fake_mode: Any = None):
+        self.gm = gm
+        self.graph = gm.graph
+        self.fake_mode = fake_mode if fake_mode is not None else fake_mode_of(gm)
+        self.rule_name = ""
+        self.anchor: Node | None = None
+        self.skips: list[tuple[str, str, str]] = []  # (rule, node, reason)
+        self._insert: Node | None = None
+        self._created: list[Node] = []
+        self._snapshots: list[tuple[Node, tuple, dict]] = []
+        self._to_erase: list[Node] = []
+        self._revisit: list[Node] = []
+        self._const_id = 0
+
+    # -- transaction control (used by the driver) -------------------------------------------
+    def begin(self, rule_name: str, anchor: Node | None) -> None:
+        self.rule_name, self.anchor, self._insert = rule_name, anchor, anchor
+        self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._created or self._snapshots or self._to_erase)
+
+    def rollback(self) -> None:
+        for user, args, kwargs in reversed(self._snapshots):
+            user.args, user.kwargs = args, kwargs
+        for n in reversed(self._created):
+            if not n._erased and not n.users:
+                self.graph.erase_node(n)
+        self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
+
+    def commit(self) -> tuple[list[Node], list[Node], list[Node]]:
+        """Apply deferred erasures; return (created, erased, revisit)."""
+        erased: list[Node] = []
+        revisit = list(self._revisit)
+        revisit.extend(u for u, _, _ in self._snapshots)
+        for n in self._to_erase:
+            if n._erased:
+                continue
+            producers = n.all_input_nodes
+            erase_if_dead(n, erased)
+            revisit.extend(producers)
+        created = [n for n in self._created if not n._erased]
+        revisit.extend(created)
+        self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
+        return created, erased, revisit
+
+    # -- queries ----------------------------------------------------------------------------
+    @staticmethod
+    def val(node: Any) -> Any:
+        return node.meta.get("val") if isinstance(node, Node) else node
+
+    @staticmethod
+    def constant(node: Any) -> torch.Tensor | None:
+        """Real tensor behind a constant or frozen-weight node, else None."""
+        return constant_value(node)
+
+    def static(self, *nodes: Any) -> bool:
+        """True if all nodes have fully static shapes; otherwise records a skip reason."""
+        for n in nodes:
+            if isinstance(n, Node) and not is_static(n.meta.get("val")):
+                self.skip(f"symbolic shape on {n.name}; rule needs static shapes")
+                return False
+        return True
+
+    def skip(self, reason: str) -> bool:
+        """Record why the current rule did not fire here (shown in the report). Returns False."""
+        anchor = self.anchor.name if self.anchor is not None else "<graph>"
+        self.skips.append((self.rule_name, anchor, reason))
+        return False
+
+    # -- building ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def at(self, node: Node) -> Iterator[None]:
+        """Insert new nodes before ``node`` (graph rules choose their own insertion point)."""
+        old, self._insert = self._insert, node
+        try:
+            yield
+        finally:
+            self._insert = old
+
+    def _fake(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        fargs, fkwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
+        if target is operator.getitem:
+            return fargs[0][fargs[1]]
+        with self.fake_mode:
+            return target(*fargs, **fkwargs)
+
+    def _place(self) -> Any:
+        if self._insert is not None:
+            return self.graph.inserting_before(self._insert)
+        return self.graph.inserting_before(None)
+
+    def call(self, target: Any, *args: Any, val: Any = _MISSING, **kwargs: Any) -> Node:
+        """Create ``target(*args, **kwargs)``; ``val=`` skips fake propagation when known."""
+        v = self._fake(target, args, kwargs) if val is _MISSING else val
+        with self._place():
+            n = self.graph.call_function(target, args, kwargs)
+        n.meta["val"] = v
+        self._stamp(n)
+        return n
+
+    def const(self, tensor: torch.Tensor, hint: str = "c") -> Node:
+        """A ``get_attr`` node holding ``tensor`` (a real tensor stored on the module)."""
+        while True:
+            name = f"_fxpass_{hint}{self._const_id}"
+            self._const_id += 1
+            if not hasattr(self.gm, name):
+                break
+        self.gm.register_buffer(name, tensor.detach(), persistent=False)
+        with self._place():
+            n = self.graph.get_attr(name)
+        with self.fake_mode:
+            n.meta["val"] = self.fake_mode.from_tensor(tensor)
+        self._stamp(n)
+        return n
+
+    def inline(self, fn: Callable, *args: Any, decomposition_table: dict | None = None) -> Any:
+        """Trace ``fn`` with make_fx on the args' fake values and splice its graph in.
+
+        Returns the node (or tuple of nodes) that ``fn`` returned. This is how a rule reuses a
+        ``torch._decomp`` decomposition instead of writing the graph by hand.
+        """
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        node_args = [a for a in args if isinstance(a, Node)]
+        fake_args = [a.meta["val"] for a in node_args]
+
+        def traced(*tensors: Any) -> Any:
+            it = iter(tensors)
+            real = [next(it) if isinstance(a, Node) else a for a in args]
+            return fn(*real)
+
+        with self.fake_mode:
+            sub = make_fx(traced, decomposition_table=decomposition_table or {})(*fake_args)
+        env: dict[Node, Any] = {}
+        phs = sub.graph.find_nodes(op="placeholder")
+        env.update(zip(phs, node_args, strict=True))
+        out: Any = None
+        for sn in sub.graph.nodes:
+            if sn.op == "placeholder":
+                continue
+            if sn.op == "output":
+                out = map_arg(sn.args[0], lambda x: env[x])
+                break
+            if sn.op == "get_attr":
+                t = getattr(sub, str(sn.target))
+                env[sn] = self.const(t, "k")
+                continue
+            nargs, nkwargs = map_arg((sn.args, sn.kwargs), lambda x: env[x])
+            v = sn.meta.get("val", _MISSING)
+            env[sn] = self.call(sn.target, *nargs, val=v, **nkwargs)
+        if isinstance(out, list):
+            out = tuple(out)
+        return out
+
+    def _stamp(self, n: Node) -> None:
+        a = self.anchor
+        n.meta["fxpass_from"] = (self.rule_name, a.name if a is not None else "<graph>")
+        if a is not None and "stack_trace" in a.meta:
+            n.meta.setdefault("stack_trace", a.meta["stack_trace"])
+        self._created.append(n)
+
+    # -- editing ----------------------------------------------------------------------------
+    def replace(self, old: Node, new: Any) -> None:
+        """Point every use of ``old`` at ``new`` (a node or a Python value); erase ``old``."""
+        for user in list(old.users):
+            self._snapshots.append((user, user.args, dict(user.kwargs)))
+            user.args = map_arg(user.args, lambda x: new if x is old else x)
+            user.kwargs = map_arg(user.kwargs, lambda x: new if x is old else x)
+        self._to_erase.append(old)
+
+    def replace_input(self, user: Node, old: Node, new: Any) -> None:
+        """Point one use (``user``'s input ``old``) at ``new``."""
+        self._snapshots.append((user, user.args, dict(user.kwargs)))
+        user.args = map_arg(user.args, lambda x: new if x is old else x)
+        user.kwargs = map_arg(user.kwargs, lambda x: new if x is old else x)
+        self._to_erase.append(old)
+
+    def erase(self, node: Node) -> None:
+        """Erase ``node`` at commit (it must have no users by then, else it is kept)."""
+        self._to_erase.append(node)
+
+    def revisit(self, *nodes: Node) -> None:
+        """Ask the driver to try the rules on ``nodes`` again."""
+        self._revisit.extend(nodes)

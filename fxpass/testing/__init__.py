@@ -1,0 +1,18 @@
+"""Property-testing kit for rule authors: strategies for aten graphs and ``check_rule``."""
+
+from .check import TOLERANCE, assert_outputs_close, check_meta, check_rule, random_inputs
+from .strategies import DEFAULT_OPS, VOCAB, Op, T, aten_graphs, traced_graphs
+
+__all__ = [
+    "DEFAULT_OPS",
+    "TOLERANCE",
+    "VOCAB",
+    "Op",
+    "T",
+    "assert_outputs_close",
+    "aten_graphs",
+    "check_meta",
+    "check_rule",
+    "random_inputs",
+    "traced_graphs",
+]

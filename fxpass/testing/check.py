@@ -1,0 +1,145 @@
+"""``check_rule``: property-test a rule on generated graphs (semantics, idempotence, ending)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.fx import GraphModule, Node
+
+from ..passmanager import PassManager
+from ..rule import Rule
+
+#: (rtol, atol) per dtype; atol is scaled by the output's magnitude (max(1, max|x|)).
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def random_inputs(gm: GraphModule, seed: int) -> list[torch.Tensor]:
+    """Real inputs matching the placeholders' ``meta['val']`` (normal floats, small ints, bools)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        v = p.meta["val"]
+        shape = tuple(int(s) for s in v.shape)
+        if v.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=gen, dtype=torch.float32).to(v.dtype))
+        elif v.dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=gen).bool())
+        else:
+            out.append(torch.randint(0, 5, shape, generator=gen).to(v.dtype))
+    return out
+
+
+def _flat(x: Any) -> list[Any]:
+    if isinstance(x, (tuple, list)):
+        return [y for e in x for y in _flat(e)]
+    return [x]
+
+
+def assert_outputs_close(
+    expected: Any, actual: Any, tolerance: dict[torch.dtype, tuple[float, float]] | None = None
+) -> None:
+    """Same structure, dtypes and shapes; values within the per-dtype tolerance (NaN == NaN)."""
+    tol = {**TOLERANCE, **(tolerance or {})}
+    exp, act = _flat(expected), _flat(actual)
+    assert len(exp) == len(act), f"output count changed: {len(exp)} -> {len(act)}"
+    for i, (e, a) in enumerate(zip(exp, act, strict=True)):
+        if not isinstance(e, torch.Tensor):
+            assert e == a, f"output {i}: {e!r} != {a!r}"
+            continue
+        assert isinstance(a, torch.Tensor), f"output {i}: tensor became {type(a).__name__}"
+        assert a.dtype == e.dtype, f"output {i}: dtype changed {e.dtype} -> {a.dtype}"
+        assert a.shape == e.shape, f"output {i}: shape changed {tuple(e.shape)} -> {tuple(a.shape)}"
+        if not e.dtype.is_floating_point:
+            assert torch.equal(e, a), f"output {i}: values differ (exact dtype {e.dtype})"
+            continue
+        rtol, atol = tol.get(e.dtype, (1e-5, 1e-5))
+        finite = e[torch.isfinite(e)].abs()
+        scale = max(1.0, float(finite.max())) if finite.numel() else 1.0
+        torch.testing.assert_close(
+            a,
+            e,
+            rtol=rtol,
+            atol=atol * scale,
+            equal_nan=True,
+            msg=lambda m, i=i: f"output {i}: {m}",
+        )
+
+
+def check_meta(gm: GraphModule, inputs: list[torch.Tensor]) -> None:
+    """Every node's ``meta['val']`` exists and matches the real value's shape and dtype."""
+
+    class _Check(torch.fx.Interpreter):
+        def run_node(self, n: Node) -> Any:
+            out = super().run_node(n)
+            if n.op in ("placeholder", "call_function", "get_attr"):
+                assert "val" in n.meta, f"node {n.name} ({n.target}) has no meta['val']"
+                for r, f in zip(_flat(out), _flat(n.meta["val"]), strict=False):
+                    if isinstance(r, torch.Tensor) and isinstance(f, torch.Tensor):
+                        assert r.dtype == f.dtype and tuple(r.shape) == tuple(f.shape), (
+                            f"meta['val'] of {n.name} is {f.dtype}{tuple(f.shape)} but the node "
+                            f"computes {r.dtype}{tuple(r.shape)}"
+                        )
+            return out
+
+    _Check(gm).run(*inputs)
+
+
+def check_rule(
+    rule: Rule,
+    graphs: st.SearchStrategy[GraphModule],
+    *,
+    with_rules: Iterable[Rule] = (),
+    must_fire: bool = True,
+    max_examples: int = 40,
+    tolerance: dict[torch.dtype, tuple[float, float]] | None = None,
+) -> int:
+    """Property-test ``rule`` on graphs drawn from ``graphs``; returns how often it fired.
+
+    For each graph: run it on random real inputs; run a checked PassManager with ``rule`` (and
+    ``with_rules``) to fixpoint (lint, contract checks, termination via the budget); compare
+    outputs with the per-dtype tolerance; check every node's ``meta['val']`` against the real
+    values; run the rule again and require that it changes nothing (idempotence). With
+    ``must_fire``, the rule must have fired on at least one graph, so the test cannot pass
+    vacuously. Hypothesis shrinks a failing graph to a minimal one.
+    """
+    fired = [0]
+    rules = [rule, *with_rules]
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(graphs, st.integers(0, 2**31 - 1))
+    def prop(gm: GraphModule, seed: int) -> None:
+        inputs = random_inputs(gm, seed)
+        before = copy.deepcopy(gm)
+        expected = before(*inputs)
+        report = PassManager(rules, check=True).run(gm)
+        fired[0] += report.rewrites.get(rule.name, 0)
+        gm.graph.lint()
+        check_meta(gm, inputs)
+        assert_outputs_close(expected, gm(*inputs), tolerance)
+        again = PassManager([rule], check=True).run(gm)
+        assert again.total_rewrites == 0, (
+            f"rule {rule.name!r} is not idempotent: fired {again.total_rewrites}x on its own output"
+        )
+
+    prop()
+    if must_fire:
+        assert fired[0] > 0, (
+            f"rule {rule.name!r} never fired on {max_examples} generated graphs; choose an op "
+            "vocabulary where it applies (or pass must_fire=False)"
+        )
+    return fired[0]
