@@ -125,9 +125,11 @@ class PassManager:
                 graph.erase_node(n)
         if self.check:
             graph.lint()
-            self._check_fixpoint(gm)
+            if not self._limit_hit:  # a bisection stop is not a fixpoint by design
+                self._check_fixpoint(gm)
         gm.recompile()
         report.rounds = rounds
+        report.stopped_at_limit = self._limit_hit
         report.nodes_after = len(graph.nodes)
         report.skips = rw.skips
         report.total_seconds = time.perf_counter() - t_start

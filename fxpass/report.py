@@ -23,6 +23,7 @@ class Report:
     nodes_before: int = 0
     nodes_after: int = 0
     total_seconds: float = 0.0
+    stopped_at_limit: bool = False  # rewrite_limit reached (bisection), not a fixpoint
     ledger: list[LedgerEntry] = field(default_factory=list)
     skips: list[tuple[str, str, str]] = field(default_factory=list)  # (rule, node, reason)
 
@@ -52,6 +53,11 @@ class Report:
             f"fxpass: {self.total_rewrites} rewrites in {self.rounds} round(s), "
             f"{self.nodes_before} -> {self.nodes_after} nodes, {self.total_seconds * 1e3:.1f} ms"
         ]
+        if self.stopped_at_limit and self.ledger:
+            last = self.ledger[-1]
+            lines.append(
+                f"  stopped at the rewrite limit; last rewrite: {last.rule} at {last.anchor}"
+            )
         for name in sorted(self.rewrites, key=lambda k: -self.rewrites[k]):
             lines.append(
                 f"  {name:<28} {self.rewrites[name]:>6} rewrites "

@@ -160,7 +160,19 @@ def aten_graphs(
         pool.append(emit(target, args, kwargs))
     outs = [n for n in pool if not n.users and n.op != "placeholder"] or pool[-1:]
     g.output(tuple(outs))
-    return GraphModule(torch.nn.Module(), g)
+    return _shown(GraphModule(torch.nn.Module(), g))
+
+
+def _shown(gm: GraphModule, extra: str = "") -> GraphModule:
+    """Make Hypothesis print the generated graph (as first drawn) when it reports a failure."""
+    src = gm.graph.python_code("self").src.strip()
+    shapes = [
+        f"{p.name}: {p.meta['val'].dtype}{tuple(p.meta['val'].shape)}"
+        for p in gm.graph.find_nodes(op="placeholder")
+    ]
+    text = f"<generated graph {extra} inputs [{', '.join(shapes)}]:\n{src}\n>"
+    type(gm).__repr__ = lambda self: text  # GraphModule instances each have their own class
+    return gm
 
 
 @dataclass(frozen=True)
@@ -186,4 +198,4 @@ def traced_graphs(draw: Any, fn: Callable[..., Any], inputs: st.SearchStrategy) 
     with mode:
         fakes = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
         gm = make_fx(lambda *xs: fn(*xs, **params), pre_dispatch=False)(*fakes)
-    return gm
+    return _shown(gm, f"params={params!r}")
