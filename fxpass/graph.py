@@ -34,11 +34,15 @@ def fake_mode_of(gm: GraphModule) -> Any:
 
 def require_meta(gm: GraphModule) -> None:
     """Fail with the fix when a graph has no ``meta['val']`` (rules need shapes and dtypes)."""
-    missing = [
-        n.name
-        for n in gm.graph.nodes
-        if n.op in ("placeholder", "call_function", "get_attr") and "val" not in n.meta
-    ]
+    missing = []
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "call_function", "get_attr") or "val" in n.meta:
+            continue
+        parent = n.args[0] if n.target is operator.getitem else None
+        if isinstance(parent, Node) and isinstance(parent.meta.get("val"), (tuple, list)):
+            n.meta["val"] = parent.meta["val"][n.args[1]]  # tracers skip non-tensor items
+        else:
+            missing.append(n.name)
     if missing:
         raise ValueError(
             f"fxpass needs meta['val'] on every node; missing on {missing[:5]}"
@@ -71,6 +75,15 @@ def is_static(v: Any) -> bool:
     return not isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool)
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same strides on every dimension that has more than one element."""
+    if a.shape != b.shape:
+        return False
+    return all(
+        sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if n != 1
+    )
+
+
 def constant_value(node: Any) -> torch.Tensor | None:
     """The real tensor behind a ``get_attr`` or a frozen placeholder, else None."""
     if not isinstance(node, Node):
@@ -99,12 +112,18 @@ def is_pure(node: Node) -> bool:
     return not node.is_impure()
 
 
-def erase_if_dead(node: Node, erased: list[Node] | None = None) -> None:
-    """Erase ``node`` and, transitively, producers that became unused. Iterative, not recursive."""
+def erase_if_dead(node: Node, erased: list[Node] | None = None, force: bool = False) -> None:
+    """Erase unused ``node`` and, transitively, pure producers that became unused.
+
+    ``force`` erases ``node`` itself even if it is not provably pure (a rule replaced it, so
+    it knows the value is dead); producers are erased only if pure. Iterative, not recursive.
+    """
     stack = [node]
     while stack:
         n = stack.pop()
-        if n._erased or n.users or not is_pure(n):
+        if n._erased or n.users or n.op in ("placeholder", "output"):
+            continue
+        if not (force and n is node) and not is_pure(n):
             continue
         inputs = n.all_input_nodes
         n.graph.erase_node(n)

@@ -69,7 +69,10 @@ class PassManager:
             rewrite_limit if rewrite_limit is not None else (int(env_limit) if env_limit else None)
         )
         self.keep_ledger = ledger
-        order = sorted(self.rules, key=lambda r: -r.priority)  # stable: ties keep list order
+        self._build_index(self.rules)
+
+    def _build_index(self, rules: list[Rule]) -> None:
+        order = sorted(rules, key=lambda r: -r.priority)  # stable: ties keep list order
         self._any = [r for r in order if not r.graph_level and r.roots is None]
         self._graph_rules = [r for r in order if r.graph_level]
         self._index: dict[Any, list[Rule]] = {}
@@ -81,8 +84,11 @@ class PassManager:
             self._index[t] = sorted(lst + self._any, key=lambda r: -r.priority)
 
     # ---------------------------------------------------------------------------------------
-    def run(self, gm: GraphModule) -> Report:
+    def run(self, gm: GraphModule, *, recompile: bool = True) -> Report:
+        """Rewrite ``gm`` in place to fixpoint. ``recompile=False`` leaves codegen to the caller
+        (it costs more than the rewriting on big graphs, and a backend may rewrite further)."""
         require_meta(gm)
+        self._build_index([r for r in self.rules if r.applies is None or r.applies(gm)])
         t_start = time.perf_counter()
         graph = gm.graph
         rw = Rewriter(gm)
@@ -92,6 +98,7 @@ class PassManager:
         self._budget, self._done = budget, 0
         self._limit_hit = False
         index, any_rules = self._index, self._any
+        _dce(graph)  # rules should not have to reason about dead users
 
         rounds = 0
         while True:
@@ -120,18 +127,17 @@ class PassManager:
             if not changed or self._limit_hit:
                 break
 
-        for n in reversed(graph.nodes):
-            if not n.users and is_pure(n):
-                graph.erase_node(n)
+        _dce(graph)
         if self.check:
             graph.lint()
             if not self._limit_hit:  # a bisection stop is not a fixpoint by design
                 self._check_fixpoint(gm)
-        gm.recompile()
+        if recompile:
+            gm.recompile()
         report.rounds = rounds
         report.stopped_at_limit = self._limit_hit
         report.nodes_after = len(graph.nodes)
-        report.skips = rw.skips
+        report.skips = list(rw.skips)
         report.total_seconds = time.perf_counter() - t_start
         return report
 
@@ -249,6 +255,12 @@ class PassManager:
             msg += f"; cycle: {' -> '.join(cycle)} (nodes {', '.join(nodes)})"
         msg += ". Make each rule's output something no rule in the set rewrites back."
         raise FixpointError(msg, sorted(counts), cycle, nodes)
+
+
+def _dce(graph: Any) -> None:
+    for n in reversed(graph.nodes):
+        if not n.users and is_pure(n):
+            graph.erase_node(n)
 
 
 def _find_cycle(edges: dict[str, dict[str, str]]) -> tuple[list[str], list[str]]:

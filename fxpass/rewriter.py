@@ -39,13 +39,14 @@ class Rewriter:
         self.fake_mode = fake_mode if fake_mode is not None else fake_mode_of(gm)
         self.rule_name = ""
         self.anchor: Node | None = None
-        self.skips: list[tuple[str, str, str]] = []  # (rule, node, reason)
+        self.skips: dict[tuple[str, str, str], None] = {}  # (rule, node, reason), ordered set
         self._insert: Node | None = None
         self._created: list[Node] = []
         self._snapshots: list[tuple[Node, tuple, dict]] = []
         self._to_erase: list[Node] = []
         self._revisit: list[Node] = []
         self._const_id = 0
+        self._traces: dict[Any, GraphModule] = {}
 
     # -- transaction control (used by the driver) -------------------------------------------
     def begin(self, rule_name: str, anchor: Node | None) -> None:
@@ -73,7 +74,7 @@ class Rewriter:
             if n._erased:
                 continue
             producers = n.all_input_nodes
-            erase_if_dead(n, erased)
+            erase_if_dead(n, erased, force=True)
             revisit.extend(producers)
         created = [n for n in self._created if not n._erased]
         revisit.extend(created)
@@ -101,7 +102,7 @@ class Rewriter:
     def skip(self, reason: str) -> bool:
         """Record why the current rule did not fire here (shown in the report). Returns False."""
         anchor = self.anchor.name if self.anchor is not None else "<graph>"
-        self.skips.append((self.rule_name, anchor, reason))
+        self.skips[(self.rule_name, anchor, reason)] = None
         return False
 
     # -- building ---------------------------------------------------------------------------
@@ -114,8 +115,14 @@ class Rewriter:
         finally:
             self._insert = old
 
-    def _fake(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        fargs, fkwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
+    def infer(self, target: Any, args: tuple, kwargs: dict, override: dict | None = None) -> Any:
+        """The fake ``meta["val"]`` that ``target(*args, **kwargs)`` would have (no node made).
+
+        ``override`` maps nodes to stand-in values, to ask "what if this input were F32?"
+        before creating anything.
+        """
+        o = override or {}
+        fargs, fkwargs = map_arg((args, kwargs), lambda n: o[n] if n in o else n.meta["val"])
         if target is operator.getitem:
             return fargs[0][fargs[1]]
         with self.fake_mode:
@@ -128,7 +135,7 @@ class Rewriter:
 
     def call(self, target: Any, *args: Any, val: Any = _MISSING, **kwargs: Any) -> Node:
         """Create ``target(*args, **kwargs)``; ``val=`` skips fake propagation when known."""
-        v = self._fake(target, args, kwargs) if val is _MISSING else val
+        v = self.infer(target, args, kwargs) if val is _MISSING else val
         with self._place():
             n = self.graph.call_function(target, args, kwargs)
         n.meta["val"] = v
@@ -150,24 +157,43 @@ class Rewriter:
         self._stamp(n)
         return n
 
-    def inline(self, fn: Callable, *args: Any, decomposition_table: dict | None = None) -> Any:
+    def inline(
+        self,
+        fn: Callable,
+        *args: Any,
+        decomposition_table: dict | None = None,
+        key: Any = None,
+    ) -> Any:
         """Trace ``fn`` with make_fx on the args' fake values and splice its graph in.
 
         Returns the node (or tuple of nodes) that ``fn`` returned. This is how a rule reuses a
-        ``torch._decomp`` decomposition instead of writing the graph by hand.
+        ``torch._decomp`` decomposition instead of writing the graph by hand. ``key`` (hashable,
+        covering everything ``fn`` closes over) caches the trace per input shape/dtype/stride:
+        tracing costs milliseconds, and a model repeats the same attention in every layer.
         """
         from torch.fx.experimental.proxy_tensor import make_fx
 
         node_args = [a for a in args if isinstance(a, Node)]
         fake_args = [a.meta["val"] for a in node_args]
+        cache_key = None
+        if key is not None:
+            metas = tuple(
+                (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+                for v in fake_args
+            )
+            cache_key = (key, metas, tuple(a for a in args if not isinstance(a, Node)))
+        sub = self._traces.get(cache_key) if cache_key is not None else None
+        if sub is None:
 
-        def traced(*tensors: Any) -> Any:
-            it = iter(tensors)
-            real = [next(it) if isinstance(a, Node) else a for a in args]
-            return fn(*real)
+            def traced(*tensors: Any) -> Any:
+                it = iter(tensors)
+                real = [next(it) if isinstance(a, Node) else a for a in args]
+                return fn(*real)
 
-        with self.fake_mode:
-            sub = make_fx(traced, decomposition_table=decomposition_table or {})(*fake_args)
+            with self.fake_mode:
+                sub = make_fx(traced, decomposition_table=decomposition_table or {})(*fake_args)
+            if cache_key is not None:
+                self._traces[cache_key] = sub
         env: dict[Node, Any] = {}
         phs = sub.graph.find_nodes(op="placeholder")
         env.update(zip(phs, node_args, strict=True))

@@ -28,6 +28,9 @@ class Rule:
     default: bool = True  # enabled unless a target or the user disables it
     tags: frozenset[str] = field(default_factory=frozenset)
     plugin: str = "<unregistered>"  # distribution/plugin that provided it; set by the registry
+    # Optional cheap whole-graph gate, checked once per run: a rule that cannot apply to this
+    # graph (no BF16 anywhere, say) is left out of the index instead of tried on every node.
+    applies: Callable[[Any], bool] | None = None
 
     def __call__(self, node: Any, rewriter: Any) -> bool:
         return bool(self.fn(node, rewriter))
@@ -48,6 +51,7 @@ def rule(
     description: str | None = None,
     default: bool = True,
     tags: Iterable[str] = (),
+    applies: Callable[[Any], bool] | None = None,
 ) -> Callable[[NodeFn], Rule]:
     """Decorate ``fn(node, rw) -> bool`` into a :class:`Rule` rooted at ``roots``.
 
@@ -64,6 +68,7 @@ def rule(
             description=_describe(fn, description),
             default=default,
             tags=frozenset(tags),
+            applies=applies,
         )
 
     return wrap

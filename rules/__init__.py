@@ -1,9 +1,29 @@
-"""The built-in rules: a plugin like any third-party one (entry point ``fxpass: builtin_rules``)."""
+"""The built-in rules: a plugin like any third-party one (entry point ``fxpass: builtin_rules``).
+
+Each rule lives in its own module whose docstring states before -> after, why, and when the
+rule does not fire.
+"""
 
 from __future__ import annotations
 
 from fxpass.rule import Rule
+from rules.alias import alias_removal
+from rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
+from rules.constant_folding import constant_folding
+from rules.safe_softmax import safe_softmax
+from rules.scalar_overloads import scalar_overloads
+from rules.sdpa import sdpa_decomposition
+
+ALL = (
+    alias_removal,
+    safe_softmax,
+    sdpa_decomposition,
+    scalar_overloads,
+    constant_folding,
+    bf16_promotion,
+    bf16_cast_cancel,
+)
 
 
 def fxpass_rules() -> list[Rule]:
-    return []
+    return list(ALL)

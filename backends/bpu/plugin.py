@@ -10,6 +10,6 @@ def fxpass_targets() -> list[Target]:
         Target(
             name="bpu",
             description="Horizon/D-Robotics BPU (hbdk4); no BF16, static shapes only",
-            enable=("bf16_promotion",),
+            enable=("bf16_promotion", "bf16_cast_cancel"),
         )
     ]

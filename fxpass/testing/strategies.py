@@ -71,6 +71,17 @@ def _masked_softmax(target: Any) -> Op:
     return Op(str(target), build)
 
 
+def _full(draw: Any, pick: Callable[..., Node]) -> tuple[Any, tuple, dict]:
+    """An input-independent constant the shape of an existing value (folding fodder)."""
+    like = pick()
+    value = draw(st.sampled_from([0.0, 1.0, -2.5, 0.125]))
+    return (
+        aten.full.default,
+        (list(like.meta["val"].shape), value),
+        {"dtype": like.meta["val"].dtype},
+    )
+
+
 VOCAB: dict[str, Op] = {
     "neg": _unary(aten.neg.default),
     "relu": _unary(aten.relu.default),
@@ -92,6 +103,7 @@ VOCAB: dict[str, Op] = {
     "clone": _unary(aten.clone.default),
     "detach": _unary(aten.detach.default),
     "cast": Op("cast", _cast),
+    "full": Op("full", _full),
     "where": Op("where", _where),
     "softmax": _masked_softmax(aten._softmax.default),
     "safe_softmax": _masked_softmax(aten._safe_softmax.default),

@@ -1,0 +1,86 @@
+"""Capture the aten inference graph(s) torch.compile would hand a backend, with weights marked.
+
+Dynamo -> AOTAutograd (inference) gives aten GraphModules whose placeholders include the
+model's parameters and buffers. Those are marked ``meta['fxpass_frozen'] = tensor`` so rules
+may treat them as constants (constant folding of weight casts, rotary tables, ...). Used by
+the tests, ``fxpass explain`` and the benchmarks; the backend does the same inside Dynamo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from .graph import FROZEN
+
+
+@dataclass
+class Captured:
+    gm: GraphModule
+    inputs: list[torch.Tensor]  # real tensors for every placeholder, in order
+    frozen: list[bool]  # whether placeholder i is a parameter or buffer
+
+
+def weight_inputs(dynamo_gm: GraphModule, example_inputs: Sequence[Any]) -> list[bool]:
+    """Which Dynamo graph inputs are parameters/buffers (by their guard source)."""
+    out = []
+    phs = dynamo_gm.graph.find_nodes(op="placeholder")
+    for ph, ex in zip(phs, example_inputs, strict=False):
+        ga = ph.meta.get("grapharg")
+        name = ga.source.name if ga is not None and getattr(ga, "source", None) else ""
+        name = name() if callable(name) else str(name)
+        out.append(
+            isinstance(ex, torch.nn.Parameter) or "_parameters" in name or "_buffers" in name
+        )
+    return out
+
+
+def mark_frozen(gm: GraphModule, real: Sequence[Any], frozen: Sequence[bool]) -> int:
+    """Attach the real weight tensors to the AOT graph's placeholders; returns how many."""
+    phs = gm.graph.find_nodes(op="placeholder")
+    if len(phs) != len(real):
+        return 0  # inputs were deduplicated or synthesized: do not guess
+    n = 0
+    for ph, t, f in zip(phs, real, frozen, strict=True):
+        if f and isinstance(t, torch.Tensor):
+            ph.meta[FROZEN] = t.detach()
+            n += 1
+    return n
+
+
+def aot_backend(fw: Callable[[GraphModule, list, list[bool]], Callable]) -> Callable:
+    """A Dynamo backend running AOTAutograd and calling ``fw(aot_gm, real_inputs, frozen)``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backend(gm: GraphModule, example_inputs: list) -> Callable:
+        frozen = weight_inputs(gm, example_inputs)
+
+        def fw_compiler(aot_gm: GraphModule, _aot_inputs: list) -> Callable:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # the real weights, not Dynamo's fakes
+                mark_frozen(aot_gm, example_inputs, frozen)
+                return make_boxed_func(fw(aot_gm, list(example_inputs), frozen))
+
+        return aot_autograd(fw_compiler=fw_compiler)(gm, example_inputs)
+
+    return backend
+
+
+def capture(fn: Callable, *args: Any, **kwargs: Any) -> list[Captured]:
+    """Run ``fn(*args, **kwargs)`` under torch.compile (dynamic=False, no grad); return graphs."""
+    out: list[Captured] = []
+
+    def fw(gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
+        out.append(Captured(gm, real, frozen))
+        return gm.forward
+
+    compiled = torch.compile(fn, backend=aot_backend(fw), dynamic=False)
+    with torch.no_grad():
+        compiled(*args, **kwargs)
+    return out

@@ -1,0 +1,112 @@
+"""bf16_promotion and bf16_cast_cancel: compute BF16 regions in F32 for targets without BF16.
+
+Before -> after: an op that reads or writes bfloat16 (``mm(a_bf16, b_bf16)``, ``full(...,
+dtype=bf16)``, ``_softmax`` of bf16, ...) -> the same op on F32 (inputs cast up, explicit
+``dtype=bf16`` arguments turned into F32) followed by a cast back to BF16. Then
+``bf16_cast_cancel`` removes each ``f32 -> bf16 -> f32`` round trip between two promoted ops,
+so a whole BF16 region runs in F32 with casts only at its boundary. Casts of constants fold
+away (constant_folding). The model-visible dtype stays BF16: graph outputs are cast back.
+
+Why: the BPU (hbdk4, hbDNN) has no BF16 type at all; without this, every BF16 op stays on
+the CPU. F32 inside the region is at least as accurate as eager BF16.
+
+Does not fire when: the op is itself a cast (the cancel rule owns those), reinterprets bits
+(``view.dtype``), or has no BF16 input, output or dtype argument. Off by default; targets
+without BF16 (the BPU) enable it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.node import map_arg
+
+from fxpass import rule
+from rules._util import CAST, aten
+
+BF16, F32 = torch.bfloat16, torch.float32
+_SKIP = {CAST, aten._to_copy.default, aten.to.dtype, aten.view.dtype, operator.getitem}
+
+
+def _has_bf16(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return any(_has_bf16(x) for x in v)
+    return isinstance(v, torch.Tensor) and v.dtype == BF16
+
+
+def _graph_has_bf16(gm) -> bool:
+    return any(
+        _has_bf16(n.meta.get("val")) or n.kwargs.get("dtype") == BF16 for n in gm.graph.nodes
+    )
+
+
+@rule(name="bf16_promotion", default=False, applies=_graph_has_bf16)
+def bf16_promotion(node, rw):
+    """Compute ops that read/write BF16 (incl. dtype=bf16 arguments) in F32, cast at the edges."""
+    if node.target in _SKIP or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    val = node.meta["val"]
+    ins = [i for i in node.all_input_nodes if _has_bf16(i.meta.get("val"))]
+    dt_arg = node.kwargs.get("dtype") == BF16
+    if not (ins or dt_arg or _has_bf16(val)):
+        return False
+    if isinstance(val, (tuple, list)) and any(u.target is not operator.getitem for u in node.users):
+        return rw.skip("tuple output used by something other than getitem")
+    args, kwargs = node.args, dict(node.kwargs)
+    if dt_arg:
+        kwargs["dtype"] = F32
+    if ins and any(i.meta["val"].dtype == BF16 for i in ins):
+        args, kwargs = _round_scalars(node.target, args, kwargs)
+    with rw.fake_mode:
+        as_f32 = {i: i.meta["val"].to(F32) for i in ins}
+    new_val = rw.infer(node.target, args, kwargs, override=as_f32)
+    if _has_bf16(new_val):
+        return rw.skip("still produces BF16 from F32 inputs (a positional dtype argument?)")
+    up = {i: rw.call(CAST, i, F32, val=as_f32[i]) for i in ins}
+    args, kwargs = map_arg((args, kwargs), lambda x: up.get(x, x))
+    new = rw.call(node.target, *args, val=new_val, **kwargs)
+    if isinstance(val, (tuple, list)):
+        for u in list(node.users):
+            with rw.at(u):
+                item = rw.call(operator.getitem, new, u.args[1])
+                rw.replace(u, _back(rw, item, val[u.args[1]]))
+        rw.erase(node)
+        return True
+    rw.replace(node, _back(rw, new, val))
+    return True
+
+
+def _round_scalars(target, args, kwargs):
+    """Eager BF16 ops first round a Python-scalar operand (schema type ``Scalar``) to BF16;
+    computing in F32 must use that rounded value, or ``x > 0.3`` flips at the boundary."""
+    schema = target._schema.arguments
+    args = list(args)
+    for i, a in enumerate(schema):
+        if not isinstance(a.type, torch.NumberType):
+            continue
+        if i < len(args) and isinstance(args[i], float):
+            args[i] = torch.tensor(args[i], dtype=BF16).item()
+        elif a.name in kwargs and isinstance(kwargs[a.name], float):
+            kwargs = {**kwargs, a.name: torch.tensor(kwargs[a.name], dtype=BF16).item()}
+    return tuple(args), kwargs
+
+
+def _back(rw, new, old_val):
+    """Cast back to the dtype eager produced (BF16) so the rest of the graph is unchanged."""
+    nv = new.meta["val"]
+    if isinstance(old_val, torch.Tensor) and nv.dtype != old_val.dtype:
+        return rw.call(CAST, new, old_val.dtype)
+    return new
+
+
+@rule(CAST, name="bf16_cast_cancel", default=False, applies=_graph_has_bf16)
+def bf16_cast_cancel(node, rw):
+    """convert(convert(x_f32, bf16), f32) -> x_f32: drop the round trip inside a promoted region."""
+    src = node.args[0]
+    if node.args[1] != F32 or src.op != "call_function" or src.target is not CAST:
+        return False
+    if src.args[1] != BF16 or src.args[0].meta["val"].dtype != F32:
+        return False
+    rw.replace(node, src.args[0])
+    return True

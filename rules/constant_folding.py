@@ -1,0 +1,125 @@
+"""constant_folding: evaluate input-independent subgraphs into constants.
+
+Before -> after: any subgraph whose leaves are constants (``get_attr``), frozen weights or
+buffers (placeholders the backend marked with ``meta['fxpass_frozen']``) or nothing at all
+(``arange``, ``full``, ``ones``, ``scalar_tensor``, ...) -> one ``get_attr`` per value the rest of
+the graph uses. Position ids, rotary cos/sin tables, causal-mask construction and casts or
+transposes of weights all become constants.
+
+Why: those subgraphs are int64/bool index arithmetic a device cannot run; left in, they cut
+the model into many small regions.
+
+Does not fire when: the result is much larger than its inputs (``MAX_GROWTH`` times, and more
+than ``MIN_BYTES``; e.g. a broadcast ``expand``): the fold is refused and the report says so;
+an op is random, mutating or uninitialized (``empty``); the shape is symbolic.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.fx.node import map_arg
+
+from fxpass import graph_rule
+from fxpass.graph import FROZEN, constant_value, is_static
+from rules._util import aten, writes
+
+MAX_GROWTH = float(os.environ.get("FXPASS_FOLD_MAX_GROWTH", 64))
+MIN_BYTES = int(os.environ.get("FXPASS_FOLD_MIN_BYTES", 4 << 20))
+_NEVER = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+
+
+def _foldable(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload) or target in _NEVER or writes(target):
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+@graph_rule(name="constant_folding", priority=-10)
+def constant_folding(gm, rw):
+    """Fold input-independent subgraphs (arange, masks, full, casts of constants/weights)."""
+    graph = gm.graph
+    leaf_bytes: dict[Any, int] = {}  # constant node -> bytes of the constant leaves under it
+    for n in graph.nodes:
+        if n.op == "get_attr" or (n.op == "placeholder" and FROZEN in n.meta):
+            leaf_bytes[n] = _nbytes(n.meta.get("val"))
+        elif (
+            n.op == "call_function"
+            and _foldable(n.target)
+            and all(i in leaf_bytes for i in n.all_input_nodes)
+        ):
+            leaf_bytes[n] = sum(leaf_bytes[i] for i in n.all_input_nodes)
+    frontier = [
+        n
+        for n in leaf_bytes
+        if n.op == "call_function"
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and any(u not in leaf_bytes for u in n.users)
+    ]
+    values: dict[Any, Any] = {}
+
+    def value(n: Any) -> Any:
+        stack = [n]
+        while stack:
+            m = stack[-1]
+            if m in values:
+                stack.pop()
+                continue
+            todo = [i for i in m.all_input_nodes if i not in values]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            if m.op != "call_function":
+                values[m] = constant_value(m)
+                continue
+            args, kwargs = map_arg((m.args, m.kwargs), lambda x: values[x])
+            values[m] = m.target(*args, **kwargs)
+        return values[n]
+
+    changed = False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # Folded constants go right after the placeholders, so one get_attr can serve every user;
+    # identical subgraphs (the same arange in every layer) fold to one shared constant.
+    top = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    shared: dict[Any, Any] = {}
+    keys: dict[Any, Any] = {}
+
+    def key(m: Any) -> Any:
+        if m in keys:
+            return keys[m]
+        if m.op != "call_function":
+            k = ("leaf", m)
+        else:
+            k = (m.target, map_arg((m.args, tuple(m.kwargs.items())), key))
+        keys[m] = k
+        return k
+
+    with unset_fake_temporarily(), torch.no_grad():
+        for n in frontier:
+            if not is_static(n.meta["val"]):
+                rw.skip(f"{n.name}: symbolic shape, not folded")
+                continue
+            out = _nbytes(n.meta["val"])
+            if out > MIN_BYTES and out > MAX_GROWTH * max(leaf_bytes[n], 1):
+                rw.skip(
+                    f"refused to fold {n.name} ({n.target}): {out} bytes from {leaf_bytes[n]} "
+                    f"bytes of inputs exceeds the budget ({MAX_GROWTH:g}x above {MIN_BYTES} B)"
+                )
+                continue
+            k = key(n)
+            c = shared.get(k)
+            if c is None:
+                t = value(n)
+                with rw.at(top):
+                    c = shared[k] = rw.const(t.contiguous() if t.dim() else t, hint="fold")
+            rw.replace(n, c)
+            changed = True
+    return changed
