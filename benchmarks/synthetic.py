@@ -20,7 +20,6 @@ def build(n_nodes: int, width: int = 16) -> GraphModule:
     """A GraphModule of about ``n_nodes`` nodes (fake vals; weights frozen placeholders)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     g = Graph()
-    vals: dict = {}
 
     def ph(name, t, frozen=None):
         n = g.placeholder(name)

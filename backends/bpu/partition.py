@@ -1,0 +1,159 @@
+"""Partition an aten graph into maximal *convex* regions of supported nodes, in near-linear time.
+
+Every region must be contractible to one call, all at once, without a cycle: no path may leave
+a region and come back, directly or through other regions (two regions feeding each other are
+each convex, yet contract to a cycle). One pass in topological order, with Python-int bitsets
+over region ids and union-find for merged regions:
+
+- ``dep`` of a value: the regions it depends on, where depending on any member of a region
+  means depending on the whole region (it runs as one call);
+- ``taint(n)``: regions ``n`` depends on through something outside them; ``n`` may not join
+  those;
+- a region that something outside already consumed is *sealed*: it may not gain new
+  dependencies, so no earlier ``dep`` can go stale.
+
+A supported node joins (and may merge) the regions of its inputs when that keeps all of the
+above; otherwise it starts a region. Stale bits can only make a test stricter, never unsound.
+Filters then drop regions with no compute or fewer than ``min_compute_macs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch.fx import GraphModule, Node
+
+from backends.bpu.cost import macs
+
+
+@dataclass
+class Region:
+    id: int
+    nodes: list[Node] = field(default_factory=list)
+    macs: int = 0
+
+    @property
+    def compute_nodes(self) -> int:
+        return sum(1 for n in self.nodes if macs(n) > 0)
+
+
+@dataclass
+class Partition:
+    regions: list[Region]
+    rejected: dict[Node, str]  # node -> why it stays on the CPU
+    dropped: list[tuple[Region, str]]  # regions filtered out, with the reason
+
+
+def partition(
+    gm: GraphModule,
+    reject_reason: Callable[[Node], str | None],
+    min_compute_macs: int = 0,
+) -> Partition:
+    nodes = list(gm.graph.nodes)
+    rejected: dict[Node, str] = {}
+    parent: list[int] = []  # union-find over original region ids
+    mask: list[int] = []  # root -> bitset of original ids in the class
+    ctaint: list[int] = []  # root -> union of taint over members
+    cdep: list[int] = []  # root -> regions the class depends on (never its own bits)
+    sealed: list[bool] = []  # root -> consumed by a node outside it
+    region_of: dict[Node, int] = {}
+    dep: dict[Node, int] = {}  # non-region node -> regions it depends on
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for n in nodes:
+        ins = n.all_input_nodes
+        dep_n = taint = 0
+        in_classes: list[int] = []
+        for i in ins:
+            rid = region_of.get(i)
+            if rid is None:
+                d = dep.get(i, 0)
+                dep_n |= d
+                taint |= d
+            else:
+                root = find(rid)
+                dep_n |= cdep[root] | mask[root]
+                taint |= cdep[root]
+                if root not in in_classes:
+                    in_classes.append(root)
+        why = reject_reason(n) if n.op == "call_function" else "not an op"
+        chosen: list[int] = []
+        if why is None:
+            m_acc, t_acc, d_acc = 0, taint, dep_n
+            for c in in_classes:
+                m2, t2, d2 = m_acc | mask[c], t_acc | ctaint[c], d_acc | cdep[c]
+                if t2 & m2:
+                    continue  # a path leaves c (or a chosen class) and comes back
+                grown = d2 & ~m2
+                if any(sealed[k] and grown & ~cdep[k] for k in (*chosen, c)):
+                    continue  # a consumer of a sealed class would miss the new dependency
+                if any(sealed[k] for k in chosen) and c not in chosen and chosen:
+                    continue  # merging into a sealed class adds c's nodes to its call
+                if sealed[c] and chosen:
+                    continue
+                chosen.append(c)
+                m_acc, t_acc, d_acc = m2, t2, d2
+        elif n.op == "call_function":
+            rejected[n] = why
+        for c in in_classes:
+            if c not in chosen:
+                sealed[c] = True
+        if why is not None:
+            dep[n] = dep_n
+            continue
+        if chosen:
+            root = chosen[0]
+            for c in chosen[1:]:
+                parent[c] = root
+                mask[root] |= mask[c]
+                ctaint[root] |= ctaint[c]
+                cdep[root] |= cdep[c]
+            ctaint[root] |= taint
+            cdep[root] = (cdep[root] | dep_n) & ~mask[root]
+        else:
+            root = len(parent)
+            parent.append(root)
+            mask.append(1 << root)
+            ctaint.append(taint)
+            cdep.append(dep_n)
+            sealed.append(False)
+        region_of[n] = root
+
+    by_root: dict[int, Region] = {}
+    for n in nodes:
+        rid = region_of.get(n)
+        if rid is None:
+            continue
+        root = find(rid)
+        reg = by_root.setdefault(root, Region(id=root))
+        reg.nodes.append(n)
+        reg.macs += macs(n)
+    regions, dropped = [], []
+    for reg in by_root.values():
+        if reg.compute_nodes == 0:
+            dropped.append((reg, "no compute (no matmul/convolution)"))
+        elif reg.macs < min_compute_macs:
+            dropped.append((reg, f"{reg.macs} MACs < min_compute_macs={min_compute_macs}"))
+        else:
+            regions.append(reg)
+    for i, reg in enumerate(regions):
+        reg.id = i
+    return Partition(regions, rejected, dropped)
+
+
+def is_convex(gm: GraphModule, members: set[Node]) -> bool:
+    """Reference check (quadratic-free BFS): no path leaves ``members`` and re-enters them."""
+    outside_from_region: set[Node] = set()
+    for n in gm.graph.nodes:  # topological order
+        if n in members:
+            if any(i in outside_from_region for i in n.all_input_nodes):
+                return False
+        elif any(i in members or i in outside_from_region for i in n.all_input_nodes):
+            outside_from_region.add(n)
+    return True
