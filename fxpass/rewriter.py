@@ -153,7 +153,7 @@ class Rewriter:
         with self._place():
             n = self.graph.get_attr(name)
         with self.fake_mode:
-            n.meta["val"] = self.fake_mode.from_tensor(tensor)
+            n.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
         self._stamp(n)
         return n
 

@@ -18,7 +18,7 @@ def random_dags(draw):
     g = Graph()
     nodes = [g.placeholder(f"x{i}") for i in range(draw(st.integers(1, 3)))]
     supported = {}
-    for k in range(draw(st.integers(1, 40))):
+    for _ in range(draw(st.integers(1, 40))):
         arity = draw(st.integers(1, 2))
         args = tuple(draw(st.sampled_from(nodes)) for _ in range(arity))
         n = g.call_function(aten.add.Tensor if arity == 2 else aten.neg.default, args)

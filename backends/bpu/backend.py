@@ -1,0 +1,264 @@
+"""``torch.compile(model, backend="fxpass_bpu")``: the whole BPU pipeline behind one function.
+
+Dynamo -> AOTAutograd (inference) -> the target's rules to fixpoint -> convex partition ->
+per region: extract, lower to ONNX, compile (hbdk4 or onnxruntime), splice back as one call ->
+a guarded callable. Registered in the ``torch_dynamo_backends`` entry point group, so no import
+is needed. Options arrive as ``torch.compile(..., options={...})``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from operator import getitem
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule
+
+from backends.bpu.cache import ArtifactCache
+from backends.bpu.capability import DEFAULT_MARCH, MARCHES, march, reject_reason
+from backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
+from backends.bpu.cost import macs
+from backends.bpu.partition import partition
+from backends.bpu.region import extract, splice
+from backends.bpu.report import REPORTS, GraphReport, RegionReport
+from backends.bpu.runtime import RegionCall
+from fxpass.capture import aot_backend
+from fxpass.graph import FROZEN, is_static
+from fxpass.passmanager import PassManager
+from fxpass.plugins import select_rules
+
+log = logging.getLogger("fxpass.bpu")
+
+#: Board: the original pull request measured ~0.8 ms per BPU submission; 100M MACs keeps a
+#: region well above that. Host: onnxruntime's per-call overhead measured with
+#: ``python -m benchmarks.ort_overhead`` (see docs/bpu-backend.md).
+DEFAULT_MIN_MACS = {"hbdnn": 100_000_000, "onnxruntime": 1_000_000}
+MAX_REBUILDS = 2
+
+OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "march": (str, f"target march, one of {sorted(MARCHES)} (default {DEFAULT_MARCH})"),
+    "executor": (str, f"one of {EXECUTORS} (default auto)"),
+    "min_compute_macs": ((int, type(None)), "regions below this many MACs stay on the CPU"),
+    "strict": (bool, "raise instead of falling back to eager"),
+    "cache_dir": ((str, Path, type(None)), "artifact cache directory"),
+    "cache": (bool, "use the artifact cache (default True)"),
+    "enable": ((list, tuple), "extra rule names to enable"),
+    "disable": ((list, tuple), "rule names to disable"),
+    "check": (bool, "run rule contract checks while compiling"),
+    "threads": ((int, type(None)), "onnxruntime intra-op threads"),
+}
+MODES = {
+    None: "",
+    "default": "",
+    "reduce-overhead": "fxpass_bpu has no CUDA graphs; regions already run as single calls",
+    "max-autotune": "fxpass_bpu does not autotune; onnxruntime/hbdk4 choose kernels themselves",
+    "max-autotune-no-cudagraphs": "fxpass_bpu does not autotune",
+}
+
+
+def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = dict(options or {})
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{k}: {d}" for k, (_, d) in OPTIONS.items())
+        raise TypeError(f"fxpass_bpu got unknown option(s) {unknown}. Valid options: {valid}")
+    for k, v in opts.items():
+        types, desc = OPTIONS[k]
+        if (
+            isinstance(v, bool)
+            and types is not bool
+            and bool not in (types if isinstance(types, tuple) else (types,))
+        ):
+            raise TypeError(f"fxpass_bpu option {k!r} must be {desc}, got {v!r}")
+        if not isinstance(v, types):
+            raise TypeError(f"fxpass_bpu option {k!r} must be {desc}; got {type(v).__name__}")
+    m = opts.setdefault("march", DEFAULT_MARCH)
+    march(m)  # ValueError naming the known marches
+    ex = opts.setdefault("executor", "auto")
+    if ex not in EXECUTORS:
+        raise TypeError(f"fxpass_bpu option 'executor' must be one of {EXECUTORS}, got {ex!r}")
+    if opts.get("min_compute_macs") is not None and opts["min_compute_macs"] < 0:
+        raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
+    opts.setdefault("strict", False)
+    opts.setdefault("cache", True)
+    opts.setdefault("check", False)
+    select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
+    return opts
+
+
+def fxpass_bpu(
+    gm: GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None
+) -> Callable:
+    """Dynamo backend entry point (``backend="fxpass_bpu"``)."""
+    opts = validate_options(options)
+    if mode not in MODES:
+        raise TypeError(f"fxpass_bpu: unknown mode {mode!r}; known: {[m for m in MODES if m]}")
+    if MODES[mode]:
+        log.info("fxpass_bpu: mode=%r accepted; %s", mode, MODES[mode])
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    ):
+        msg = (
+            "fxpass_bpu compiles inference graphs only; this graph needs gradients, so it "
+            "runs eagerly (gradients stay correct). Wrap inference in torch.no_grad()."
+        )
+        if opts["strict"]:
+            raise RuntimeError(msg + " (strict=True)")
+        warnings.warn(msg, stacklevel=2)
+        return gm.forward
+    resolve_executor(opts["executor"])  # a missing hbdk4 is an error now, not per region
+
+    def fw(aot_gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
+        return GuardedGraph(aot_gm, opts)
+
+    return aot_backend(fw)(gm, example_inputs)
+
+
+def _clone(gm: GraphModule) -> GraphModule:
+    g = Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return GraphModule(gm, g)
+
+
+class GuardedGraph:
+    """The compiled graph plus a guard on frozen weights: a weight that changed (replaced or
+    mutated in place) triggers a rebuild from the pristine graph, never a stale answer."""
+
+    def __init__(self, aot_gm: GraphModule, opts: dict[str, Any]):
+        self.pristine = _clone(aot_gm)
+        self.opts = opts
+        self.rebuilds = 0
+        self.eager_only = False
+        self.run = self._build(aot_gm)
+
+    def _snapshot(self, gm: GraphModule) -> list[tuple[int, int, int, tuple, torch.dtype]]:
+        snap = []
+        for k, p in enumerate(gm.graph.find_nodes(op="placeholder")):
+            t = p.meta.get(FROZEN)
+            if t is not None:
+                snap.append((k, t.data_ptr(), t._version, tuple(t.shape), t.dtype))
+        return snap
+
+    def _build(self, gm: GraphModule) -> Callable:
+        self.guard = self._snapshot(gm)
+        compiled, report = compile_graph(gm, self.opts)
+        self.report = report
+        return compiled
+
+    def __call__(self, *args: Any) -> Any:
+        if self.eager_only:
+            return self.pristine(*args)
+        for k, ptr, ver, shape, dtype in self.guard:
+            t = args[k]
+            if t.data_ptr() != ptr or t._version != ver or t.shape != shape or t.dtype != dtype:
+                return self._weights_changed(k, args)
+        return self.run(*args)
+
+    def _weights_changed(self, k: int, args: tuple) -> Any:
+        phs = self.pristine.graph.find_nodes(op="placeholder")
+        if self.rebuilds >= MAX_REBUILDS or self.opts["strict"]:
+            if self.opts["strict"]:
+                raise RuntimeError(
+                    f"fxpass_bpu: weight input {k} changed after compile (strict=True)"
+                )
+            warnings.warn(
+                "fxpass_bpu: weights keep changing; this graph now runs eagerly", stacklevel=3
+            )
+            self.eager_only = True
+            return self.pristine(*args)
+        self.rebuilds += 1
+        warnings.warn(
+            f"fxpass_bpu: weight {phs[k].name} changed after compile; recompiling "
+            f"({self.rebuilds}/{MAX_REBUILDS})",
+            stacklevel=3,
+        )
+        for p, t in zip(phs, args, strict=True):
+            if FROZEN in p.meta:
+                p.meta[FROZEN] = t.detach()
+        self.run = self._build(_clone(self.pristine))
+        return self.run(*args)
+
+
+def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, GraphReport]:
+    """Rules -> partition -> compile regions -> splice. Returns the callable and its report."""
+    t0 = time.perf_counter()
+    m = march(opts["march"])
+    kind = resolve_executor(opts["executor"])
+    report = GraphReport(graph=len(REPORTS), march=m.name, executor=kind)
+    if not all(is_static(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")):
+        note = (
+            "symbolic shapes: the BPU needs static shapes, so those nodes stay on the CPU; "
+            "compile with torch.compile(..., dynamic=False)"
+        )
+        report.notes.append(note)
+        warnings.warn(f"fxpass_bpu: {note}", stacklevel=2)
+    rules = select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
+    rr = PassManager(rules, check=opts["check"]).run(gm, recompile=False)
+    report.rules, report.rewrites = rr, dict(rr.rewrites)
+    min_macs = opts.get("min_compute_macs")
+    if min_macs is None:
+        min_macs = DEFAULT_MIN_MACS[kind]
+    part = partition(gm, lambda n: reject_reason(n, m), min_compute_macs=min_macs)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem]
+    report.call_nodes = len(calls)
+    report.macs = sum(macs(n) for n in calls)
+    report.cpu_reasons = dict(Counter(part.rejected.values()))
+    report.dropped = [f"{len(r.nodes)} nodes: {why}" for r, why in part.dropped]
+    cache = ArtifactCache(opts.get("cache_dir")) if opts["cache"] else None
+    spliced = []
+    for r in part.regions:
+        name = f"g{report.graph}_r{r.id}"
+        rg = extract(gm, r)
+        fallback = None
+        try:
+            c = compile_region(
+                rg,
+                name,
+                march=m.name,
+                executor=kind,
+                cache=cache,
+                options={k: opts.get(k) for k in ("enable", "disable")},
+            )
+            executor, cached = c.executor, c.cached
+        except Exception as e:  # noqa: BLE001 - a region that cannot compile runs eagerly
+            if opts["strict"]:
+                raise RuntimeError(f"fxpass_bpu: region {name} failed to compile: {e}") from e
+            fallback = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"fxpass_bpu: region {name} failed to compile and runs eagerly: {fallback}",
+                stacklevel=2,
+            )
+            executor, cached = None, False
+        inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
+        call = RegionCall(name, executor, rg.gm, inputs, strict=opts["strict"])
+        spliced.append((rg, call))
+        report.regions.append(
+            RegionReport(
+                name,
+                len(r.nodes),
+                r.macs,
+                len(rg.inputs),
+                len(rg.outputs),
+                kind if executor else "eager",
+                cached,
+                fallback,
+            )
+        )
+        if executor is not None:
+            counted = [n for n in r.nodes if n.target is not getitem]
+            report.offloaded_call_nodes += len(counted)
+            report.offloaded_macs += r.macs
+    out = splice(gm, spliced) if spliced else gm
+    out.graph.eliminate_dead_code()
+    out.recompile()
+    report.compile_seconds = time.perf_counter() - t0
+    REPORTS.append(report)
+    log.info(report.summary())
+    return out, report

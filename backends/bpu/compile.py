@@ -1,0 +1,128 @@
+"""Compile one region: lower to ONNX, then hbdk4 -> ``.hbm`` (board) or an onnxruntime session.
+
+hbdk4 flow (documented Python API; x86-64 wheels from Horizon's OpenExplorer, not installable
+here, tested against a contract fake): ``hbdk4.compiler.onnx.export(proto)`` ->
+``hbdk4.compiler.convert(module, march)`` -> ``hbdk4.compiler.compile(module, path, march,
+opt=2)``. Executor choice: ``auto`` = the board (hbdnn) when both hbdk4 and the board runtime
+import, else the host (onnxruntime); ``hbdnn`` and ``onnxruntime`` force one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from backends.bpu.cache import ArtifactCache, region_key
+from backends.bpu.lower import lower
+from backends.bpu.region import RegionGraph
+from backends.bpu.runtime import HbmExecutor, OrtExecutor
+
+EXECUTORS = ("auto", "hbdnn", "onnxruntime")
+HBDK4_HELP = (
+    "executor='hbdnn' needs hbdk4 to compile: install the hbdk4-compiler wheel from Horizon's "
+    "OpenExplorer toolchain (x86-64 Linux), and run on an RDK board image that ships the "
+    "`hbm_runtime` Python module; or use executor='onnxruntime' to run on the host"
+)
+
+
+def has_hbdk4() -> bool:
+    return importlib.util.find_spec("hbdk4") is not None and _find("hbdk4.compiler")
+
+
+def has_board() -> bool:
+    return importlib.util.find_spec("hbm_runtime") is not None
+
+
+def _find(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def resolve_executor(executor: str) -> str:
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    if executor == "auto":
+        return "hbdnn" if has_hbdk4() and has_board() else "onnxruntime"
+    if executor == "hbdnn" and not has_hbdk4():
+        raise RuntimeError(HBDK4_HELP)
+    return executor
+
+
+@dataclass
+class Compiled:
+    executor: Any
+    key: str
+    cached: bool
+    onnx_bytes: int
+
+
+def compile_region(
+    rg: RegionGraph,
+    name: str,
+    *,
+    march: str,
+    executor: str,
+    cache: ArtifactCache | None,
+    options: dict[str, Any],
+) -> Compiled:
+    kind = resolve_executor(executor)
+    key = region_key(rg.gm, march=march, executor=kind, options=options)
+    input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
+    if kind == "onnxruntime":
+        return _compile_ort(rg, name, key, input_names, cache)
+    return _compile_hbm(rg, name, key, input_names, march, cache)
+
+
+def _compile_ort(
+    rg: RegionGraph, name: str, key: str, input_names: list[str], cache: ArtifactCache | None
+) -> Compiled:
+    if cache is not None:
+        data = cache.get(key, ".ort.onnx")
+        if data is not None:
+            return Compiled(OrtExecutor(data, input_names, preoptimized=True), key, True, len(data))
+    proto = lower(rg.gm, name=name)
+    data = proto.SerializeToString()
+    if cache is None:
+        return Compiled(OrtExecutor(data, input_names), key, False, len(data))
+    # Let onnxruntime write its optimized model once; later processes load it unoptimized.
+    with tempfile.TemporaryDirectory() as tmp:
+        opt = os.path.join(tmp, "opt.onnx")
+        ex = OrtExecutor(data, input_names, optimized_path=opt)
+        with open(opt, "rb") as f:
+            cache.put(key, ".ort.onnx", f.read())
+    return Compiled(ex, key, False, len(data))
+
+
+def _compile_hbm(
+    rg: RegionGraph,
+    name: str,
+    key: str,
+    input_names: list[str],
+    march: str,
+    cache: ArtifactCache | None,
+) -> Compiled:
+    from hbdk4 import compiler as hb
+
+    cache = cache or ArtifactCache()
+    path = cache.path(key, ".hbm")
+    data = cache.get(key, ".hbm")
+    cached = data is not None
+    if not cached:
+        proto: onnx.ModelProto = lower(rg.gm, name=name)
+        module = hb.onnx.export(proto, name=name)
+        module = hb.convert(module, march)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = os.path.join(tmp, f"{name}.hbm")
+            hb.compile(module, out, march, opt=2)
+            with open(out, "rb") as f:
+                data = f.read()
+        path = cache.put(key, ".hbm", data)
+    return Compiled(HbmExecutor(str(path), input_names), key, cached, len(data))

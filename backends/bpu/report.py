@@ -1,0 +1,71 @@
+"""Per-graph compile reports, readable after compiling via ``fxpass.compile_reports()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REPORTS: list[GraphReport] = []
+
+
+@dataclass
+class RegionReport:
+    name: str
+    nodes: int
+    macs: int
+    inputs: int
+    outputs: int
+    executor: str
+    cached: bool
+    fallback: str | None = None
+
+
+@dataclass
+class GraphReport:
+    graph: int
+    march: str
+    executor: str
+    call_nodes: int = 0
+    offloaded_call_nodes: int = 0
+    macs: int = 0
+    offloaded_macs: int = 0
+    regions: list[RegionReport] = field(default_factory=list)
+    cpu_reasons: dict[str, int] = field(default_factory=dict)  # reason -> node count
+    dropped: list[str] = field(default_factory=list)
+    rewrites: dict[str, int] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    rules: Any = None  # the fxpass Report of the rewrite phase
+
+    @property
+    def node_share(self) -> float:
+        return self.offloaded_call_nodes / self.call_nodes if self.call_nodes else 0.0
+
+    @property
+    def mac_share(self) -> float:
+        return self.offloaded_macs / self.macs if self.macs else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"fxpass_bpu graph {self.graph}: {len(self.regions)} region(s), "
+            f"{self.offloaded_call_nodes}/{self.call_nodes} call nodes "
+            f"({self.node_share:.0%}), {self.offloaded_macs / 1e6:.1f}/{self.macs / 1e6:.1f} "
+            f"MMACs ({self.mac_share:.0%}) offloaded to {self.executor} [{self.march}], "
+            f"compiled in {self.compile_seconds:.2f}s"
+        )
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        for r in self.regions:
+            lines.append(
+                f"  {r.name}: {r.nodes} nodes, {r.macs / 1e6:.2f} MMACs, {r.inputs} in /"
+                f" {r.outputs} out, {r.executor}{' (cached)' if r.cached else ''}"
+                f"{' FALLBACK: ' + r.fallback if r.fallback else ''}"
+            )
+        for why, k in sorted(self.cpu_reasons.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  on CPU x{k}: {why}")
+        for d in self.dropped:
+            lines.append(f"  dropped: {d}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)

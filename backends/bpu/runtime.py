@@ -1,0 +1,129 @@
+"""Executors for one compiled region, and the module spliced into the graph to call it.
+
+``OrtExecutor`` runs the region's ONNX model in onnxruntime on the host (zero-copy in: torch
+CPU tensors are handed over as numpy views; zero-copy out: numpy results become tensors
+without a copy). ``HbmExecutor`` runs a ``.hbm`` through the board runtime (``hbm_runtime``),
+binding inputs by name as it requires. ``RegionCall`` checks what it is given, and falls back
+to the region's own eager graph with a warning if the executor fails (or raises if strict).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch.fx import GraphModule
+
+
+class RegionFallbackWarning(UserWarning):
+    """A region could not run on its executor and ran eagerly instead (results stay correct)."""
+
+
+class OrtExecutor:
+    kind = "onnxruntime"
+
+    def __init__(
+        self,
+        model: bytes | str,
+        input_names: list[str],
+        threads: int | None = None,
+        optimized_path: str | None = None,
+        preoptimized: bool = False,
+    ):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        if preoptimized:  # already optimized offline (cached): skip the optimizer
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        else:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+            if optimized_path:
+                so.optimized_model_filepath = optimized_path
+        self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        self.input_names = input_names
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
+        outs = self.session.run(self.output_names, feeds)
+        return tuple(torch.from_numpy(np.ascontiguousarray(o)) for o in outs)
+
+
+class HbmExecutor:
+    kind = "hbdnn"
+
+    def __init__(self, hbm_path: str, input_names: list[str]):
+        try:
+            from hbm_runtime import HB_HBMRuntime
+        except ImportError as e:
+            raise RuntimeError(
+                "executor='hbdnn' needs the board runtime (`hbm_runtime`), which is only on the "
+                "RDK board image; run on the board or use executor='onnxruntime' on a host"
+            ) from e
+        self.rt = HB_HBMRuntime(hbm_path)
+        self.model = self.rt.model_names[0]
+        self.input_names = input_names
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
+        outs = self.rt.run(feeds, model_name=self.model)[self.model]
+        return tuple(
+            torch.from_numpy(np.ascontiguousarray(outs[k]))
+            for k in sorted(outs, key=lambda s: int(s[3:]) if s[3:].isdigit() else 0)
+        )
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.requires_grad:
+        t = t.detach()
+    return np.ascontiguousarray(t.numpy())
+
+
+class RegionCall(torch.nn.Module):
+    """One spliced region: runs the executor; on failure, the region's eager graph."""
+
+    def __init__(
+        self,
+        name: str,
+        executor: Any,
+        eager: GraphModule,
+        expected: list[Any],
+        strict: bool = False,
+    ):
+        super().__init__()
+        self.name = name
+        self.executor = executor
+        self.eager = eager
+        self.expected = [(tuple(v.shape), v.dtype) for v in expected]
+        self.strict = strict
+        self.failed: str | None = None if executor is not None else "not compiled"
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.failed is None:
+            for t, (shape, dtype) in zip(tensors, self.expected, strict=True):
+                if t.dtype != dtype or tuple(t.shape) != shape:
+                    return self._fallback(
+                        f"input {tuple(t.shape)} {t.dtype} differs from the compiled "
+                        f"{shape} {dtype}",
+                        tensors,
+                    )
+            try:
+                return self.executor(*tensors)
+            except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
+                return self._fallback(f"{type(e).__name__}: {e}", tensors)
+        return tuple(self.eager(*tensors))
+
+    def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
+        if self.strict:
+            raise RuntimeError(f"fxpass_bpu region {self.name} cannot run: {why} (strict=True)")
+        self.failed = why
+        warnings.warn(
+            f"fxpass_bpu region {self.name} runs eagerly from now on: {why}",
+            RegionFallbackWarning,
+            stacklevel=2,
+        )
+        return tuple(self.eager(*tensors))
