@@ -10,6 +10,7 @@ has a manifest with its SHA-256; a mismatch on load is reported and the artifact
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -115,10 +116,8 @@ class ArtifactCache:
             f"fxpass: cached artifact {art} is corrupt ({why}); rebuilding it", stacklevel=3
         )
         for p in (art, man):
-            try:
+            with contextlib.suppress(OSError):
                 p.unlink()
-            except OSError:
-                pass
         return None
 
 
@@ -131,8 +130,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
