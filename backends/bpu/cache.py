@@ -62,7 +62,9 @@ def region_key(gm: GraphModule, **context: Any) -> str:
         h.update(
             repr((n.op, n.name, str(n.target), n.args, sorted(n.kwargs.items()), meta)).encode()
         )
-    for name, buf in sorted(gm.named_buffers()):
+    tensors = dict(gm.named_parameters())
+    tensors.update(gm.named_buffers())
+    for name, buf in sorted(tensors.items()):
         t = buf.detach().contiguous().cpu()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -1,0 +1,176 @@
+"""torch.compile(model, backend="fxpass_bpu") end to end on stock transformers models."""
+
+import warnings
+
+import pytest
+import torch
+
+import fxpass
+from fxpass import zoo
+
+MODELS = ["qwen3", "llama", "mistral", "gpt2", "bert", "vit"]
+
+
+def _main(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return out["logits"] if "logits" in out else out["last_hidden_state"]
+
+
+def _compare(expected, got, dtype):
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    e, g = expected.float(), got.float()
+    if dtype == torch.float32:
+        scale = max(1.0, e.abs().max().item())
+        assert (e - g).abs().max().item() <= 1e-4 * scale
+    else:
+        assert torch.nn.functional.cosine_similarity(e.flatten(), g.flatten(), 0) >= 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", MODELS)
+def test_stock_models_match_eager(name, dtype, opts):
+    model, kwargs = zoo.get(name, dtype=dtype)
+    before = len(fxpass.compile_reports())
+    with torch.no_grad():
+        expected = _main(model(**kwargs))
+        compiled = torch.compile(model, backend="fxpass_bpu", dynamic=False, options=opts)
+        got = _main(compiled(**kwargs))
+        again = _main(compiled(**kwargs))
+    reports = fxpass.compile_reports()[before:]
+    assert len(reports) == 1, "one Dynamo graph per fixed-shape forward"
+    r = reports[0]
+    _compare(expected, got, dtype)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert r.regions and all(reg.fallback is None for reg in r.regions)
+    assert r.mac_share == 1.0, str(r)
+    if name in ("qwen3", "llama", "mistral"):
+        assert len(r.regions) == 1, str(r)
+        assert r.node_share >= 0.95, str(r)
+    else:
+        assert r.node_share >= 0.8, str(r)
+
+
+class SideBranch(torch.nn.Module):
+    """An unsupported op (sin) on a side branch, and a residual around an unsupported op."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        h = self.a(x)
+        side = torch.sin(h)  # side branch leaves the region ...
+        y = self.b(h) + side  # ... and re-enters: must not be one convex region with h
+        r = torch.cos(y)  # residual around an unsupported op
+        return self.c(y + r)
+
+
+def test_side_branch_and_residual_around_unsupported_ops(opts):
+    m = SideBranch().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = m(x)
+        got = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    r = fxpass.compile_reports()[-1]
+    assert len(r.regions) >= 2
+    assert any("sin" in why for why in r.cpu_reasons)
+
+
+def test_weights_changed_after_compile_are_never_stale(opts):
+    m = SideBranch().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+        c(x)
+        m.a.weight.add_(0.5)  # in-place mutation
+        with pytest.warns(UserWarning, match="changed after compile"):
+            got = c(x)
+        torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+        m.b.weight = torch.nn.Parameter(torch.randn(16, 16))  # replaced tensor
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = c(x)
+        torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_compiled_forward_matches_eager(opts):
+    model, kwargs = zoo.get("qwen3", layers=1)
+    ids = kwargs["input_ids"][:, :4]
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+        before = len(fxpass.compile_reports())
+        model.forward = torch.compile(
+            model.forward, backend="fxpass_bpu", dynamic=False, options=opts
+        )
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(got, expected)
+    reports = fxpass.compile_reports()[before:]
+    assert len(reports) >= 1 and all(len(r.regions) >= 1 for r in reports)
+
+
+def test_dynamic_shapes_fall_back_with_a_message(opts):
+    m = SideBranch().eval()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        c = torch.compile(m, backend="fxpass_bpu", dynamic=True, options=opts)
+        for n in (3, 5):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    assert any("dynamic=False" in str(x.message) for x in w)
+
+
+def test_training_graph_stays_eager_with_correct_gradients(opts):
+    m = SideBranch()
+    x = torch.randn(4, 16)
+    m(x).sum().backward()
+    expected = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    with pytest.warns(UserWarning, match="inference graphs only"):
+        torch.compile(m, backend="fxpass_bpu", options=opts)(x).sum().backward()
+    for e, p in zip(expected, m.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, e)
+
+
+def test_options_are_validated(opts):
+    m = SideBranch().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        with pytest.raises(Exception, match="unknown option.*Valid options: march"):
+            torch.compile(m, backend="fxpass_bpu", options={"marhc": "nash-p"})(x)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="min_compute_macs"):
+            torch.compile(m, backend="fxpass_bpu", options={"min_compute_macs": "big"})(x)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="unknown march"):
+            torch.compile(m, backend="fxpass_bpu", options={"march": "nash-z"})(x)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="known rules"):
+            torch.compile(m, backend="fxpass_bpu", options={"disable": ["nope"]})(x)
+        torch._dynamo.reset()
+        got = torch.compile(m, backend="fxpass_bpu", mode="max-autotune")(x)  # explained, ok
+        torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="unknown mode"):
+            torch.compile(m, backend="fxpass_bpu", mode="turbo")(x)
+
+
+def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
+    import backends.bpu.compile as comp
+
+    def broken(*a, **k):
+        raise RuntimeError("injected compile failure")
+
+    monkeypatch.setattr(comp, "lower", broken)
+    m = SideBranch().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="failed to compile and runs eagerly"):
+            got = torch.compile(m, backend="fxpass_bpu", options={**opts, "cache": False})(x)
+        torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="injected compile failure"):
+            torch.compile(
+                m, backend="fxpass_bpu", options={**opts, "cache": False, "strict": True}
+            )(x)
