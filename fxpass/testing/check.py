@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch.fx import GraphModule, Node
 
@@ -124,6 +124,9 @@ def check_rule(
         deadline=None,
         database=None,
         derandomize=derandomize,
+        # shrink, but skip the "explain" phase: it re-runs failing graphs many more times
+        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+        report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
     )
     @given(graphs, st.integers(0, 2**31 - 1))

@@ -1,0 +1,197 @@
+"""``fxpass explain MODEL``: the pipeline up to partitioning, explained.
+
+Prints the rewrites per rule, each region (nodes, MACs, boundary tensors), the offloaded
+share, and every node left on the CPU grouped by reason. ``--json`` for tools, ``--svg FILE``
+to draw the graph with regions coloured. MODEL is a built-in name (``fxpass.zoo``: qwen3-tiny,
+llama, gpt2, bert, vit, ...) or ``path/to/file.py:factory`` where ``factory()`` returns
+``(model, kwargs)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import importlib.util
+import json
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+def load_model(spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from fxpass import zoo
+
+    if ":" in spec and spec.split(":")[0].endswith(".py"):
+        path, factory = spec.rsplit(":", 1)
+        mod_spec = importlib.util.spec_from_file_location("fxpass_user_model", path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise SystemExit(f"cannot import {path}")
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        out = getattr(mod, factory)()
+        model, kw = out if isinstance(out, tuple) else (out, {})
+        return model.eval(), kw
+    try:
+        return zoo.get(spec)
+    except ValueError as e:
+        raise SystemExit(f"{e}; or pass path/to/file.py:factory") from None
+
+
+def explain(
+    spec: str,
+    march_name: str = "nash-p",
+    min_compute_macs: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    from backends.bpu.backend import DEFAULT_MIN_MACS
+    from backends.bpu.capability import march, reject_reason
+    from backends.bpu.cost import macs
+    from backends.bpu.partition import partition
+    from backends.bpu.region import extract
+    from fxpass import PassManager, select_rules
+    from fxpass.capture import capture
+
+    def step(msg: str) -> float:
+        if progress:
+            print(f"[fxpass explain] {msg}...", file=sys.stderr, flush=True)
+        return time.perf_counter()
+
+    t = step(f"building {spec}")
+    model, kw = load_model(spec)
+    t = step("capturing the aten graph (Dynamo + AOTAutograd)")
+    graphs = capture(model, **kw)
+    out: dict[str, Any] = {"model": spec, "march": march_name, "graphs": []}
+    m = march(march_name)
+    threshold = DEFAULT_MIN_MACS["onnxruntime"] if min_compute_macs is None else min_compute_macs
+    for gi, c in enumerate(graphs):
+        gm = c.gm
+        t = step(f"graph {gi}: rewriting {len(gm.graph.nodes)} nodes to fixpoint")
+        rep = PassManager(select_rules(target="bpu")).run(gm)
+        t = step(f"graph {gi}: partitioning")
+        part = partition(gm, lambda n: reject_reason(n, m), min_compute_macs=threshold)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        total = sum(macs(n) for n in calls)
+        regions = []
+        for r in part.regions:
+            rg = extract(gm, r)
+            regions.append(
+                {
+                    "id": r.id,
+                    "nodes": len(r.nodes),
+                    "macs": r.macs,
+                    "inputs": [f"{i.name}: {_desc(i)}" for i in rg.inputs],
+                    "outputs": [f"{o.name}: {_desc(o)}" for o in rg.outputs],
+                }
+            )
+        cpu: dict[str, list[str]] = defaultdict(list)
+        for n, why in part.rejected.items():
+            cpu[why].append(n.name)
+        for r, why in part.dropped:
+            cpu[f"region dropped: {why}"].extend(n.name for n in r.nodes)
+        off = sum(len(r.nodes) for r in part.regions)
+        out["graphs"].append(
+            {
+                "rewrites": rep.rewrites,
+                "rule_ms": {k: v * 1e3 for k, v in rep.seconds.items()},
+                "skips": rep.skip_reasons(),
+                "call_nodes": len(calls),
+                "offloaded_nodes": off,
+                "macs": total,
+                "offloaded_macs": sum(r.macs for r in part.regions),
+                "regions": regions,
+                "cpu": dict(cpu),
+                "min_compute_macs": threshold,
+                "_gm": gm,
+                "_part": part,
+            }
+        )
+    return out
+
+
+def _desc(n: Any) -> str:
+    v = n.meta.get("val")
+    return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}" if hasattr(v, "shape") else "?"
+
+
+def render(info: dict[str, Any]) -> str:
+    lines = [f"{info['model']} on {info['march']}: {len(info['graphs'])} graph(s)"]
+    for gi, g in enumerate(info["graphs"]):
+        share_n = g["offloaded_nodes"] / max(1, g["call_nodes"])
+        share_m = g["offloaded_macs"] / max(1, g["macs"])
+        lines.append(
+            f"graph {gi}: {g['call_nodes']} call nodes, {g['macs'] / 1e6:.2f} MMACs; "
+            f"offloaded {share_n:.0%} of nodes, {share_m:.0%} of MACs in "
+            f"{len(g['regions'])} region(s) (min_compute_macs={g['min_compute_macs']})"
+        )
+        lines.append(
+            "  rewrites: " + (", ".join(f"{k} x{v}" for k, v in g["rewrites"].items()) or "none")
+        )
+        for r in g["regions"]:
+            lines.append(f"  region {r['id']}: {r['nodes']} nodes, {r['macs'] / 1e6:.2f} MMACs")
+            lines.append(f"    in:  {', '.join(r['inputs']) or '-'}")
+            lines.append(f"    out: {', '.join(r['outputs'])}")
+        for why, names in sorted(g["cpu"].items(), key=lambda kv: -len(kv[1])):
+            shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+            lines.append(f"  on CPU x{len(names)}: {why}: {shown}")
+    return "\n".join(lines)
+
+
+def svg(info: dict[str, Any], path: str) -> None:
+    """A column per region (CPU nodes in the first), nodes in graph order, edges as lines."""
+    palette = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1"]
+    g = info["graphs"][0]
+    gm, part = g["_gm"], g["_part"]
+    owner = {n: r.id for r in part.regions for n in r.nodes}
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "placeholder", "output")]
+    pos = {}
+    w, h, row = 150, 16, 0
+    for n in nodes:
+        col = owner.get(n, -1) + 1
+        pos[n] = (20 + col * (w + 40), 30 + row * (h + 4))
+        row += 1
+    width = 60 + (len(part.regions) + 1) * (w + 40)
+    height = 60 + row * (h + 4)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="monospace" font-size="10">',
+        '<text x="20" y="18">CPU</text>',
+    ]
+    for r in part.regions:
+        out.append(
+            f'<text x="{20 + (r.id + 1) * (w + 40)}" y="18">region {r.id} '
+            f"({r.macs / 1e6:.1f} MMACs)</text>"
+        )
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if i in pos:
+                (x1, y1), (x2, y2) = pos[i], pos[n]
+                out.append(
+                    f'<line x1="{x1 + w / 2}" y1="{y1 + h}" x2="{x2 + w / 2}" y2="{y2}" '
+                    'stroke="#999" stroke-width="0.5"/>'
+                )
+    for n in nodes:
+        x, y = pos[n]
+        fill = palette[owner[n] % len(palette)] if n in owner else "#dddddd"
+        label = html.escape(f"{n.name} {str(n.target).replace('aten.', '')}"[:28])
+        out.append(
+            f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}" rx="3"/>'
+            f'<text x="{x + 3}" y="{y + 11}">{label}</text>'
+        )
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def main(args: argparse.Namespace) -> int:
+    info = explain(args.model, args.march, args.min_compute_macs, progress=not args.json)
+    if args.svg:
+        svg(info, args.svg)
+    public = {
+        **info,
+        "graphs": [{k: v for k, v in g.items() if not k.startswith("_")} for g in info["graphs"]],
+    }
+    print(json.dumps(public, indent=2, default=str) if args.json else render(public))
+    return 0

@@ -1,0 +1,292 @@
+"""Graph-size scaling: our pass manager and partitioner next to torch.fx's own tools.
+
+On synthetic transformer-shaped aten graphs (``benchmarks.synthetic``) of 1k/10k/100k nodes,
+microseconds per node (median over repeats, a fresh copy of the graph for every measurement):
+
+- ``pass_manager``: all built-in rules for the bpu target to fixpoint (``recompile=False``);
+- ``fx_codegen``: ``gm.recompile()`` of the rewritten graph (torch.fx's Python codegen, paid
+  once by any FX pass, ours included);
+- ``partition``: our convex partitioner with the nash-p capability;
+- peers: ``CapabilityBasedPartitioner.propose_partitions`` with an OperatorSupport that accepts
+  exactly what our capability accepts, and ``subgraph_rewriter.replace_pattern`` with one
+  pattern (it recompiles the module at the end, so compare it with pass_manager + fx_codegen).
+
+Partitioners run on the graph the backend hands them (after the rules) and on the raw graph
+(many small regions: the hard case for bitsets). A measurement whose smaller size took longer
+than the cap, or whose predicted time exceeds 5x the cap, is skipped and recorded as capped.
+
+    python -m benchmarks.scaling [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from benchmarks import harness
+from benchmarks.synthetic import build
+
+aten = torch.ops.aten
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (1_000, 10_000, 100_000)
+
+
+def fresh(gm: GraphModule) -> GraphModule:
+    """A new GraphModule with copied nodes (meta dicts copied, fake values shared)."""
+    g = Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return GraphModule(gm, g)
+
+
+def _rules() -> list[Any]:
+    from fxpass import select_rules
+
+    return select_rules(target="bpu")
+
+
+def _reject() -> Callable[[Node], str | None]:
+    from backends.bpu.capability import march, reject_reason
+
+    m = march("nash-p")
+    return lambda n: reject_reason(n, m)
+
+
+def run_pass_manager(gm: GraphModule) -> tuple[float, dict[str, Any]]:
+    from fxpass import PassManager
+
+    rules = _rules()
+    t0 = time.perf_counter()
+    report = PassManager(rules, check=False, ledger=False).run(gm, recompile=False)
+    return time.perf_counter() - t0, {"rewrites": report.total_rewrites}
+
+
+def run_codegen(gm: GraphModule) -> tuple[float, dict[str, Any]]:
+    t0 = time.perf_counter()
+    gm.recompile()
+    return time.perf_counter() - t0, {}
+
+
+def run_partition(gm: GraphModule) -> tuple[float, dict[str, Any]]:
+    from backends.bpu.partition import partition
+
+    reject = _reject()
+    t0 = time.perf_counter()
+    p = partition(gm, reject)
+    return time.perf_counter() - t0, {"regions": len(p.regions)}
+
+
+def run_fx_partitioner(gm: GraphModule) -> tuple[float, dict[str, Any]]:
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupportBase
+
+    reject = _reject()
+
+    class Same(OperatorSupportBase):
+        """Says yes to exactly the nodes our capability accepts."""
+
+        def is_node_supported(self, submodules: Any, node: Node) -> bool:
+            return node.op == "call_function" and reject(node) is None
+
+    t0 = time.perf_counter()
+    parts = CapabilityBasedPartitioner(
+        gm, Same(), allows_single_node_partition=True
+    ).propose_partitions()
+    return time.perf_counter() - t0, {"regions": len(parts)}
+
+
+def _pattern(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return aten.mm.default(x, aten.t.default(w))
+
+
+def _replacement(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return aten.linear.default(x, w)
+
+
+def run_replace_pattern(gm: GraphModule) -> tuple[float, dict[str, Any]]:
+    from torch.fx.subgraph_rewriter import replace_pattern
+
+    t0 = time.perf_counter()
+    matches = replace_pattern(gm, _pattern, _replacement)
+    return time.perf_counter() - t0, {"matches": len(matches)}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str
+    graph: str  # "raw" (as built) or "rewritten" (after the bpu rules, as the backend sees it)
+    fn: Callable[[GraphModule], tuple[float, dict[str, Any]]]
+    ours: bool
+    what: str
+
+
+MEASUREMENTS = (
+    Measurement("pass_manager", "raw", run_pass_manager, True, "fxpass rules to fixpoint"),
+    Measurement("fx_codegen", "rewritten", run_codegen, False, "gm.recompile()"),
+    Measurement("partition", "rewritten", run_partition, True, "fxpass convex partitioner"),
+    Measurement("partition", "raw", run_partition, True, "fxpass convex partitioner"),
+    Measurement(
+        "fx CapabilityBasedPartitioner",
+        "rewritten",
+        run_fx_partitioner,
+        False,
+        "propose_partitions()",
+    ),
+    Measurement(
+        "fx CapabilityBasedPartitioner", "raw", run_fx_partitioner, False, "propose_partitions()"
+    ),
+    Measurement(
+        "fx replace_pattern", "raw", run_replace_pattern, False, "1 pattern, incl. recompile"
+    ),
+)
+
+
+def _predict(prev: list[dict[str, Any]], n: int) -> float | None:
+    """Time at ``n`` nodes extrapolated from the smaller sizes, at least linearly."""
+    done = [r for r in prev if r["status"] == "ok"]
+    if not done:
+        return None
+    last = done[-1]
+    slope = 1.0
+    if len(done) >= 2:
+        a, b = done[-2], done[-1]
+        slope = max(
+            1.0, _log_ratio(b["median_s"], a["median_s"]) / _log_ratio(b["nodes"], a["nodes"])
+        )
+    return last["median_s"] * (n / last["nodes"]) ** slope
+
+
+def _log_ratio(a: float, b: float) -> float:
+    import math
+
+    return math.log(max(a, 1e-12) / max(b, 1e-12))
+
+
+def measure(
+    m: Measurement, graphs: dict[str, GraphModule], size: int, repeats: int
+) -> dict[str, Any]:
+    """Median over ``repeats`` fresh copies; one repeat if a single run takes over 10 s."""
+    times, info = [], {}
+    for _ in range(repeats):
+        gm = fresh(graphs[m.graph])
+        t, info = m.fn(gm)
+        times.append(t)
+        if t > 10:
+            break
+    nodes = len(graphs[m.graph].graph.nodes)
+    med = statistics.median(times)
+    return {
+        "measurement": m.name,
+        "graph": m.graph,
+        "size": size,
+        "nodes": nodes,
+        "status": "ok",
+        "repeats": len(times),
+        "median_s": med,
+        "min_s": min(times),
+        "max_s": max(times),
+        "us_per_node": med / nodes * 1e6,
+        "info": info,
+    }
+
+
+def run(
+    quick: bool = False, sizes: tuple[int, ...] = SIZES, cap_s: float | None = None
+) -> dict[str, Any]:
+    """All measurements at all sizes; returns the JSON-able record."""
+    repeats = 1 if quick else 3
+    cap_s = cap_s if cap_s is not None else (20.0 if quick else 60.0)
+    rows: list[dict[str, Any]] = []
+    busy = harness.wait_for_quiet(max_wait_s=20 if quick else 120)
+    for size in sizes:
+        t0 = time.perf_counter()
+        raw = build(size)
+        rewritten = fresh(raw)
+        run_pass_manager(rewritten)
+        graphs = {"raw": raw, "rewritten": rewritten}
+        print(f"[scaling] built {size} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        for m in MEASUREMENTS:
+            prev = [r for r in rows if (r["measurement"], r["graph"]) == (m.name, m.graph)]
+            slow = [r for r in prev if r["status"] == "ok" and r["median_s"] > cap_s]
+            pred = _predict(prev, len(graphs[m.graph].graph.nodes))
+            if any(r["status"] != "ok" for r in prev) or slow or (pred and pred > 5 * cap_s):
+                why = f"capped (predicted ~{pred:.0f} s)" if pred else "capped"
+                rows.append({"measurement": m.name, "graph": m.graph, "size": size, "status": why})
+                continue
+            try:
+                rows.append(measure(m, graphs, size, repeats))
+            except Exception as e:  # noqa: BLE001 - a failing peer is a result
+                err = f"error: {type(e).__name__}: {str(e)[:200]}"
+                rows.append({"measurement": m.name, "graph": m.graph, "size": size, "status": err})
+        print(f"[scaling] {size} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    return {
+        "env": harness.environment(),
+        "mode": "quick" if quick else "full",
+        "repeats": repeats,
+        "cap_s": cap_s,
+        "background_busy_before": busy,
+        "sizes": list(sizes),
+        "rows": rows,
+        "what": {f"{m.name} ({m.graph})": m.what for m in MEASUREMENTS},
+    }
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"]
+    extra = ", ".join(f"{k} {v}" for k, v in r["info"].items())
+    return f"{r['us_per_node']:.1f} ({r['median_s']:.2f} s{', ' + extra if extra else ''})"
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    """One row per measurement: us per node (total seconds, info) at each size."""
+    sizes = data["sizes"]
+    cols = ["measurement", "graph", *[f"{s // 1000}k nodes: us/node" for s in sizes], "growth"]
+    rows = []
+    for m in MEASUREMENTS:
+        mine = {
+            r["size"]: r
+            for r in data["rows"]
+            if (r["measurement"], r["graph"]) == (m.name, m.graph)
+        }
+        row = {"measurement": m.name + ("" if m.ours else " (peer)"), "graph": m.graph}
+        for s in sizes:
+            row[f"{s // 1000}k nodes: us/node"] = _cell(mine.get(s))
+        ok = [mine[s] for s in sizes if s in mine and mine[s]["status"] == "ok"]
+        if len(ok) >= 2:
+            g = ok[-1]["us_per_node"] / ok[0]["us_per_node"]
+            row["growth"] = f"{g:.2f}x ({ok[0]['size'] // 1000}k->{ok[-1]['size'] // 1000}k)"
+        rows.append(row)
+    note = (
+        "us/node = median seconds / nodes in the graph measured; growth = us/node at the "
+        "largest measured size over the smallest (1.0x is linear)."
+    )
+    return harness.markdown_table(rows, cols) + "\n\n" + note
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one repeat, 20 s cap for peers")
+    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    data = run(args.quick, tuple(int(s) for s in args.sizes.split(",")))
+    out = Path(args.out)
+    harness.write_json(out / "scaling.json", data)
+    md = to_markdown(data)
+    (out / "scaling.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""`fxpass demo` and `fxpass explain` (the README's first command and the explain tool)."""
+
+import json
+import textwrap
+
+from fxpass.cli import main
+
+
+def test_demo_checks_against_eager_and_reports(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPASS_CACHE_DIR", str(tmp_path))
+    assert main(["demo", "--layers", "1", "--hidden", "128", "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "-> OK" in out and "speedup" in out
+    assert "1 region(s)" in out and "on CPU x1: aten.embedding" in out
+
+
+def test_explain_json_and_svg(capsys, tmp_path):
+    svg = tmp_path / "g.svg"
+    assert main(["explain", "qwen3-tiny", "--json", "--svg", str(svg)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    g = info["graphs"][0]
+    assert g["rewrites"]["sdpa_decomposition"] == 2
+    assert len(g["regions"]) == 1 and g["offloaded_macs"] == g["macs"] > 0
+    assert any("embedding" in why for why in g["cpu"])
+    text = svg.read_text()
+    assert text.startswith("<svg") and "region 0" in text and text.count("<rect") > 100
+
+
+def test_explain_user_factory(capsys, tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        textwrap.dedent("""
+        import torch
+        def make():
+            m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 256)).eval()
+            return m, {"input": torch.randn(8, 256)}
+    """)
+    )
+    assert main(["explain", f"{f}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "1 region(s)" in out and "region 0:" in out
