@@ -14,7 +14,6 @@ import html
 import importlib.util
 import json
 import sys
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -54,23 +53,22 @@ def explain(
     from fxpass import PassManager, select_rules
     from fxpass.capture import capture
 
-    def step(msg: str) -> float:
+    def step(msg: str) -> None:
         if progress:
             print(f"[fxpass explain] {msg}...", file=sys.stderr, flush=True)
-        return time.perf_counter()
 
-    t = step(f"building {spec}")
+    step(f"building {spec}")
     model, kw = load_model(spec)
-    t = step("capturing the aten graph (Dynamo + AOTAutograd)")
+    step("capturing the aten graph (Dynamo + AOTAutograd)")
     graphs = capture(model, **kw)
     out: dict[str, Any] = {"model": spec, "march": march_name, "graphs": []}
     m = march(march_name)
     threshold = DEFAULT_MIN_MACS["onnxruntime"] if min_compute_macs is None else min_compute_macs
     for gi, c in enumerate(graphs):
         gm = c.gm
-        t = step(f"graph {gi}: rewriting {len(gm.graph.nodes)} nodes to fixpoint")
+        step(f"graph {gi}: rewriting {len(gm.graph.nodes)} nodes to fixpoint")
         rep = PassManager(select_rules(target="bpu")).run(gm)
-        t = step(f"graph {gi}: partitioning")
+        step(f"graph {gi}: partitioning")
         part = partition(gm, lambda n: reject_reason(n, m), min_compute_macs=threshold)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         total = sum(macs(n) for n in calls)
