@@ -10,6 +10,7 @@ that kept firing and the cycle between them. ``recompile()`` runs once, at the e
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections import Counter, deque
@@ -86,7 +87,20 @@ class PassManager:
     # ---------------------------------------------------------------------------------------
     def run(self, gm: GraphModule, *, recompile: bool = True) -> Report:
         """Rewrite ``gm`` in place to fixpoint. ``recompile=False`` leaves codegen to the caller
-        (it costs more than the rewriting on big graphs, and a backend may rewrite further)."""
+        (it costs more than the rewriting on big graphs, and a backend may rewrite further).
+
+        The cyclic garbage collector is paused for the run: FX graphs are large webs of
+        objects, and full collections over them made the driver quadratic in graph size.
+        """
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(gm, recompile)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _run(self, gm: GraphModule, recompile: bool) -> Report:
         require_meta(gm)
         self._build_index([r for r in self.rules if r.applies is None or r.applies(gm)])
         t_start = time.perf_counter()

@@ -43,6 +43,7 @@ class Rewriter:
         self._insert: Node | None = None
         self._created: list[Node] = []
         self._snapshots: list[tuple[Node, tuple, dict]] = []
+        self._retargets: list[tuple[Node, Any, Any]] = []  # (node, old target, old val)
         self._to_erase: list[Node] = []
         self._revisit: list[Node] = []
         self._const_id = 0
@@ -52,12 +53,16 @@ class Rewriter:
     def begin(self, rule_name: str, anchor: Node | None) -> None:
         self.rule_name, self.anchor, self._insert = rule_name, anchor, anchor
         self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
+        self._retargets = []
 
     @property
     def changed(self) -> bool:
-        return bool(self._created or self._snapshots or self._to_erase)
+        return bool(self._created or self._snapshots or self._to_erase or self._retargets)
 
     def rollback(self) -> None:
+        for node, target, val in reversed(self._retargets):
+            node.target = target
+            node.meta["val"] = val
         for user, args, kwargs in reversed(self._snapshots):
             user.args, user.kwargs = args, kwargs
         for n in reversed(self._created):
@@ -78,7 +83,10 @@ class Rewriter:
             revisit.extend(producers)
         created = [n for n in self._created if not n._erased]
         revisit.extend(created)
+        for node, _, _ in self._retargets:
+            node.meta["fxpass_from"] = (self.rule_name, node.name)
         self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
+        self._retargets = []
         return created, erased, revisit
 
     # -- queries ----------------------------------------------------------------------------
@@ -237,6 +245,22 @@ class Rewriter:
         user.args = map_arg(user.args, lambda x: new if x is old else x)
         user.kwargs = map_arg(user.kwargs, lambda x: new if x is old else x)
         self._to_erase.append(old)
+
+    def retarget(
+        self, node: Node, target: Any, *args: Any, val: Any = _MISSING, **kwargs: Any
+    ) -> None:
+        """Rewrite ``node`` in place to ``target(*args, **kwargs)``, keeping its users.
+
+        Cheaper than creating a node and replacing uses (torch.fx node creation dominates
+        the cost of simple canonicalizations); ``val`` defaults to the node's current one,
+        which is right when the rewrite keeps the value (an overload change, say).
+        """
+        self._retargets.append((node, node.target, node.meta.get("val")))
+        self._snapshots.append((node, node.args, dict(node.kwargs)))
+        node.target = target
+        node.args, node.kwargs = args, kwargs
+        if val is not _MISSING:
+            node.meta["val"] = val
 
     def erase(self, node: Node) -> None:
         """Erase ``node`` at commit (it must have no users by then, else it is kept)."""

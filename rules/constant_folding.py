@@ -17,6 +17,7 @@ an op is random, mutating or uninitialized (``empty``); the shape is symbolic.
 from __future__ import annotations
 
 import os
+from functools import cache
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ MIN_BYTES = int(os.environ.get("FXPASS_FOLD_MIN_BYTES", 4 << 20))
 _NEVER = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
 
 
+@cache
 def _foldable(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or target in _NEVER or writes(target):
         return False

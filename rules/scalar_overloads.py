@@ -101,5 +101,5 @@ def scalar_overloads(node, rw):
         if dtype is None or extra:
             return rw.skip(f"cast with {sorted(extra) or 'no dtype'}: not a pure dtype cast")
         new = (CAST, (args[0], dtype), {})
-    rw.replace(node, rw.call(new[0], *new[1], val=node.meta["val"], **new[2]))
+    rw.retarget(node, new[0], *new[1], **new[2])  # same value, same users: edit in place
     return True
