@@ -11,14 +11,16 @@ table (for docs) and a PNG chart of latency ratios vs eager.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import platform
+import signal
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +134,33 @@ def wait_for_quiet(threshold: float = 0.15, max_wait_s: float = 60.0) -> float |
     while busy is not None and busy >= threshold and time.monotonic() < deadline:
         busy = background_busy()
     return busy
+
+
+class TimeLimit(Exception):
+    """Raised inside a ``time_limit`` block that ran out of time."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Interrupt the block after ``seconds`` (SIGALRM; main thread, Unix) with ``TimeLimit``.
+
+    Why: a super-linear peer at the next graph size can take hours; capping it keeps a run
+    bounded and still records that it was capped. Pure-Python loops are interrupted promptly.
+    """
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise TimeLimit(f"over {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def environment() -> dict[str, Any]:

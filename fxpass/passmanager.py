@@ -80,7 +80,7 @@ class PassManager:
         for r in order:
             if not r.graph_level and r.roots is not None:
                 for t in r.roots:
-                    self._index.setdefault(t, []).append(r)
+                    self._index.setdefault(id(t), []).append(r)
         for t, lst in self._index.items():
             self._index[t] = sorted(lst + self._any, key=lambda r: -r.priority)
 
@@ -102,7 +102,11 @@ class PassManager:
 
     def _run(self, gm: GraphModule, recompile: bool) -> Report:
         require_meta(gm)
-        self._build_index([r for r in self.rules if r.applies is None or r.applies(gm)])
+        gates: dict[Any, bool] = {}  # rules often share one gate (the BF16 pair does)
+        for r in self.rules:
+            if r.applies is not None and r.applies not in gates:
+                gates[r.applies] = bool(r.applies(gm))
+        self._build_index([r for r in self.rules if r.applies is None or gates[r.applies]])
         t_start = time.perf_counter()
         graph = gm.graph
         rw = Rewriter(gm)
@@ -124,7 +128,7 @@ class PassManager:
                 queued.discard(n)
                 if n._erased or n.op != "call_function":
                     continue
-                for r in index.get(n.target, any_rules):
+                for r in index.get(id(n.target), any_rules):  # id: OpOverload hashing is slow
                     revisit = self._apply(r, n)
                     if revisit is not None:
                         for m in revisit:
@@ -229,7 +233,7 @@ class PassManager:
         for n in list(gm.graph.nodes):
             if n.op != "call_function":
                 continue
-            for r in self._index.get(n.target, self._any):
+            for r in self._index.get(id(n.target), self._any):
                 rw.begin(r.name, n)
                 fired = r.fn(n, rw)
                 changed = rw.changed
