@@ -75,6 +75,20 @@ def is_static(v: Any) -> bool:
     return not isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool)
 
 
+def bind_args(node: Node) -> dict[str, Any]:
+    """Schema argument name -> value (defaults filled in), so code reads ``a["dim"]`` instead
+    of guessing whether an argument was passed positionally or by keyword."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+    return bound
+
+
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape and the same strides on every dimension that has more than one element."""
     if a.shape != b.shape:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fxpass import rule
-from fxpass.graph import same_layout
+from fxpass.graph import bind_args, same_layout
 from rules._util import aten
 
 
@@ -50,18 +50,6 @@ VARIANTS = {
     )
     if op is not None
 }
-
-
-def _bind(node: torch.fx.Node) -> dict[str, Any]:
-    out = {}
-    for i, a in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
 
 
 def attention(q, k, v, mask=None, *, causal=False, scale=None, lse=False, weights=False):
@@ -108,7 +96,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, lse=False, weight
 def sdpa_decomposition(node, rw):
     """Decompose every SDPA variant into matmul/scale/mask/softmax/matmul (GQA, causal, masks)."""
     mask_name, lse_idx, w_idx = VARIANTS[node.target]
-    a = _bind(node)
+    a = bind_args(node)
     if a.get("dropout_p") or a.get("dropout_mask") is not None:
         return rw.skip("dropout_p > 0 or a dropout mask: training-time attention is left alone")
     if not rw.static(node, *node.all_input_nodes):

@@ -25,6 +25,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import fx
 
+from fxpass.graph import bind_args
+
 aten = torch.ops.aten
 
 __all__ = ["LOWERINGS", "LoweringError", "can_lower", "lower"]
@@ -156,7 +158,7 @@ class _Builder:
     def emit(self, n: fx.Node) -> None:
         self.cur, self._temps, self._op_counts = n.name, 0, {}
         start, inits_before = len(self.nodes), set(self.inits)
-        out = LOWERINGS[n.target](self, n, _bind(n))
+        out = LOWERINGS[n.target](self, n, bind_args(n))
         val = _val(n)
         if isinstance(out, str):
             self.names[n] = self._settle(out, n.name, val, start, inits_before)
@@ -184,19 +186,6 @@ class _Builder:
             self.inits[want] = tensor
             return want
         return r
-
-
-def _bind(n: fx.Node) -> dict[str, Any]:
-    """Map schema argument names to values (with defaults) so emitters read ``a["dim"]``."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(n.target._schema.arguments):
-        if i < len(n.args) and not arg.kwarg_only:
-            bound[arg.name] = n.args[i]
-        elif arg.name in n.kwargs:
-            bound[arg.name] = n.kwargs[arg.name]
-        else:
-            bound[arg.name] = arg.default_value if arg.has_default_value() else None
-    return bound
 
 
 def _getitems(n: fx.Node) -> dict[int, fx.Node]:
@@ -736,7 +725,7 @@ def _value_reason(node: fx.Node, allowed: frozenset[int] | None = None) -> str |
 
 
 def _check_rounding(n: fx.Node) -> str | None:
-    mode = _bind(n)["rounding_mode"]
+    mode = bind_args(n)["rounding_mode"]
     return None if mode is None else f"rounding_mode={mode!r} has no lowering (true division only)"
 
 
@@ -745,11 +734,11 @@ def _check_bool_arith(n: fx.Node) -> str | None:
 
 
 def _check_conv(n: fx.Node) -> str | None:
-    return "transposed convolution is not supported" if _bind(n)["transposed"] else None
+    return "transposed convolution is not supported" if bind_args(n)["transposed"] else None
 
 
 def _check_batch_norm(n: fx.Node) -> str | None:
-    a = _bind(n)
+    a = bind_args(n)
     if a.get("training"):
         return "batch norm in training mode; call model.eval() before compiling"
     if a["running_mean"] is None or a["running_var"] is None:
@@ -758,7 +747,7 @@ def _check_batch_norm(n: fx.Node) -> str | None:
 
 
 def _check_pool(n: fx.Node) -> str | None:
-    a = _bind(n)
+    a = bind_args(n)
     if len(_shape(a["self"])) != 4:
         return "unbatched (3-d) pooling input; only NCHW is lowered"
     if a.get("divisor_override") is not None:
@@ -773,7 +762,7 @@ def _check_pool(n: fx.Node) -> str | None:
 
 
 def _check_to_copy(n: fx.Node) -> str | None:
-    a = _bind(n)
+    a = bind_args(n)
     if a["layout"] not in (None, torch.strided):
         return f"layout {a['layout']} is not supported"
     if a["device"] is not None and torch.device(a["device"]).type != "cpu":
