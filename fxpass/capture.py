@@ -8,6 +8,7 @@ the tests, ``fxpass explain`` and the benchmarks; the backend does the same insi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,9 @@ class Captured:
     frozen: list[bool]  # whether placeholder i is a parameter or buffer
 
 
+_WEIGHT_SOURCE = re.compile(r"\._(parameters|buffers)\[")
+
+
 def weight_inputs(dynamo_gm: GraphModule, example_inputs: Sequence[Any]) -> list[bool]:
     """Which Dynamo graph inputs are parameters/buffers (by their guard source)."""
     out = []
@@ -33,9 +37,9 @@ def weight_inputs(dynamo_gm: GraphModule, example_inputs: Sequence[Any]) -> list
         ga = ph.meta.get("grapharg")
         name = ga.source.name if ga is not None and getattr(ga, "source", None) else ""
         name = name() if callable(name) else str(name)
-        out.append(
-            isinstance(ex, torch.nn.Parameter) or "_parameters" in name or "_buffers" in name
-        )
+        # the attribute access of a module's parameter/buffer dict, not a substring of a name:
+        # an argument called `frame_buffers` is data, not a weight
+        out.append(isinstance(ex, torch.nn.Parameter) or bool(_WEIGHT_SOURCE.search(name)))
     return out
 
 
@@ -52,13 +56,17 @@ def mark_frozen(gm: GraphModule, real: Sequence[Any], frozen: Sequence[bool]) ->
     return n
 
 
-def aot_backend(fw: Callable[[GraphModule, list, list[bool]], Callable]) -> Callable:
-    """A Dynamo backend running AOTAutograd and calling ``fw(aot_gm, real_inputs, frozen)``."""
+def aot_backend(
+    fw: Callable[[GraphModule, list, list[bool]], Callable], freeze: bool = True
+) -> Callable:
+    """A Dynamo backend running AOTAutograd and calling ``fw(aot_gm, real_inputs, frozen)``.
+
+    ``freeze=False`` marks nothing: weights stay ordinary graph inputs (never baked in)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def backend(gm: GraphModule, example_inputs: list) -> Callable:
-        frozen = weight_inputs(gm, example_inputs)
+        frozen = weight_inputs(gm, example_inputs) if freeze else [False] * len(example_inputs)
 
         def fw_compiler(aot_gm: GraphModule, _aot_inputs: list) -> Callable:
             from torch._subclasses.fake_tensor import unset_fake_temporarily

@@ -24,8 +24,11 @@ def cmd_rules(args: argparse.Namespace) -> int:
     reg = load()
     for name in sorted(reg.rules):
         r = reg.rules[name]
-        on = [t.name for t in reg.targets.values()
-              if (r.default or name in t.enable) and name not in t.disable]
+        on = [
+            t.name
+            for t in reg.targets.values()
+            if (r.default or name in t.enable) and name not in t.disable
+        ]
         state = "on " if r.default else "off"
         print(f"{name}  [{state} by default] plugin={r.plugin}")
         print(f"    targets: {', '.join(on) if on else '-'}; roots: {_roots(r)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from functools import cache
 from typing import Any
 
 import torch
@@ -115,6 +116,25 @@ def constant_value(node: Any) -> torch.Tensor | None:
 _IMPURE_TARGETS = {operator.setitem}
 
 
+@cache
+def writes(target: Any) -> bool:
+    """Whether an op's schema writes to any of its arguments (in-place / out= / copy_)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+@cache
+def is_view(target: Any) -> bool:
+    """Whether an op returns an alias of its input (view, expand, alias, ...)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    r = schema.returns[0].alias_info
+    return r is not None and not r.is_write
+
+
 def is_pure(node: Node) -> bool:
     """Whether erasing an unused ``node`` cannot change behaviour."""
     if node.op in ("placeholder", "output"):
@@ -130,14 +150,16 @@ def erase_if_dead(node: Node, erased: list[Node] | None = None, force: bool = Fa
     """Erase unused ``node`` and, transitively, pure producers that became unused.
 
     ``force`` erases ``node`` itself even if it is not provably pure (a rule replaced it, so
-    it knows the value is dead); producers are erased only if pure. Iterative, not recursive.
+    it knows the value is dead; an op that writes to an argument is never forced: its effect
+    is not its value). Producers are erased only if pure. Iterative, not recursive.
     """
     stack = [node]
     while stack:
         n = stack.pop()
         if n._erased or n.users or n.op in ("placeholder", "output"):
             continue
-        if not (force and n is node) and not is_pure(n):
+        forced = force and n is node and not (n.op == "call_function" and writes(n.target))
+        if not forced and not is_pure(n):
             continue
         inputs = n.all_input_nodes
         n.graph.erase_node(n)

@@ -254,7 +254,7 @@ class PassManager:
     def _fail(self) -> None:
         ledger = self._report.ledger
         window = ledger[-min(len(ledger), 256) :]
-        counts = Counter(e.rule for e in window)
+        counts = Counter(e.rule for e in window) or Counter(self._report.rewrites)
         creator: dict[str, str] = {}
         edges: dict[str, dict[str, str]] = {}
         for e in window:
@@ -271,6 +271,8 @@ class PassManager:
         )
         if cycle:
             msg += f"; cycle: {' -> '.join(cycle)} (nodes {', '.join(nodes)})"
+        elif not ledger:
+            msg += " (run with ledger=True to find the cycle)"
         msg += ". Make each rule's output something no rule in the set rewrites back."
         raise FixpointError(msg, sorted(counts), cycle, nodes)
 
@@ -282,19 +284,28 @@ def _dce(graph: Any) -> None:
 
 
 def _find_cycle(edges: dict[str, dict[str, str]]) -> tuple[list[str], list[str]]:
-    """A cycle in the rule -> rule 'consumed the output of' graph, with one node per edge."""
-    for start in edges:
-        path, seen = [start], {start}
-        cur = start
-        while True:
-            nxt = next(iter(edges.get(cur, {})), None)
-            if nxt is None:
-                break
-            if nxt in seen:
-                i = path.index(nxt)
-                cyc = path[i:] + [nxt]
+    """A cycle in the rule -> rule 'rewrote the output of' graph (DFS with colours), with one
+    example node per edge."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(u: str) -> list[str] | None:
+        state[u] = 1
+        stack.append(u)
+        for v in edges.get(u, {}):
+            if state.get(v) == 1:
+                return stack[stack.index(v) :] + [v]
+            if v not in state:
+                found = dfs(v)
+                if found:
+                    return found
+        state[u] = 2
+        stack.pop()
+        return None
+
+    for start in list(edges):
+        if start not in state:
+            cyc = dfs(start)
+            if cyc:
                 return cyc, [edges[a][b] for a, b in zip(cyc, cyc[1:], strict=False)]
-            path.append(nxt)
-            seen.add(nxt)
-            cur = nxt
     return [], []

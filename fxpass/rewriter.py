@@ -44,7 +44,8 @@ class Rewriter:
         self._created: list[Node] = []
         self._snapshots: list[tuple[Node, tuple, dict]] = []
         self._retargets: list[tuple[Node, Any, Any]] = []  # (node, old target, old val)
-        self._to_erase: list[Node] = []
+        self._to_erase: list[tuple[Node, bool]] = []  # (node, force)
+        self._buffers: list[str] = []
         self._revisit: list[Node] = []
         self._const_id = 0
         self._traces: dict[Any, GraphModule] = {}
@@ -53,7 +54,7 @@ class Rewriter:
     def begin(self, rule_name: str, anchor: Node | None) -> None:
         self.rule_name, self.anchor, self._insert = rule_name, anchor, anchor
         self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
-        self._retargets = []
+        self._retargets, self._buffers = [], []
 
     @property
     def changed(self) -> bool:
@@ -68,25 +69,30 @@ class Rewriter:
         for n in reversed(self._created):
             if not n._erased and not n.users:
                 self.graph.erase_node(n)
+        for name in self._buffers:
+            delattr(self.gm, name)
         self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
+        self._buffers = []
 
     def commit(self) -> tuple[list[Node], list[Node], list[Node]]:
         """Apply deferred erasures; return (created, erased, revisit)."""
         erased: list[Node] = []
         revisit = list(self._revisit)
         revisit.extend(u for u, _, _ in self._snapshots)
-        for n in self._to_erase:
+        for n, force in self._to_erase:
             if n._erased:
                 continue
             producers = n.all_input_nodes
-            erase_if_dead(n, erased, force=True)
+            erase_if_dead(n, erased, force=force)
             revisit.extend(producers)
         created = [n for n in self._created if not n._erased]
         revisit.extend(created)
         for node, _, _ in self._retargets:
             node.meta["fxpass_from"] = (self.rule_name, node.name)
+            revisit.extend(node.users)  # users may match the node's new op
+            created.append(node)  # for the ledger: this rule produced the node's current op
         self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
-        self._retargets = []
+        self._retargets, self._buffers = [], []
         return created, erased, revisit
 
     # -- queries ----------------------------------------------------------------------------
@@ -162,6 +168,7 @@ class Rewriter:
             if not hasattr(self.gm, name):
                 break
         self.gm.register_buffer(name, tensor.detach(), persistent=False)
+        self._buffers.append(name)
         with self._place():
             n = self.graph.get_attr(name)
         with self.fake_mode:
@@ -241,14 +248,14 @@ class Rewriter:
             self._snapshots.append((user, user.args, dict(user.kwargs)))
             user.args = map_arg(user.args, lambda x: new if x is old else x)
             user.kwargs = map_arg(user.kwargs, lambda x: new if x is old else x)
-        self._to_erase.append(old)
+        self._to_erase.append((old, True))
 
     def replace_input(self, user: Node, old: Node, new: Any) -> None:
         """Point one use (``user``'s input ``old``) at ``new``."""
         self._snapshots.append((user, user.args, dict(user.kwargs)))
         user.args = map_arg(user.args, lambda x: new if x is old else x)
         user.kwargs = map_arg(user.kwargs, lambda x: new if x is old else x)
-        self._to_erase.append(old)
+        self._to_erase.append((old, False))  # other uses may remain; erased only if pure+dead
 
     def retarget(
         self, node: Node, target: Any, *args: Any, val: Any = _MISSING, **kwargs: Any
@@ -268,7 +275,7 @@ class Rewriter:
 
     def erase(self, node: Node) -> None:
         """Erase ``node`` at commit (it must have no users by then, else it is kept)."""
-        self._to_erase.append(node)
+        self._to_erase.append((node, True))
 
     def revisit(self, *nodes: Node) -> None:
         """Ask the driver to try the rules on ``nodes`` again."""

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import torch
 from torch.fx import Node
 
+from fxpass.graph import writes  # noqa: F401 - re-exported for the rules
+
 aten, prims = torch.ops.aten, torch.ops.prims
 CAST = prims.convert_element_type.default
-
-
-@cache
-def writes(target: Any) -> bool:
-    """Whether an op's schema writes to any of its arguments (in-place / out= / copy_)."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def mutated(node: Node) -> bool:

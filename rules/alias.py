@@ -15,12 +15,28 @@ the memory layout (a later ``view`` may depend on it); a view changes the shape.
 from __future__ import annotations
 
 from fxpass import rule
-from fxpass.graph import same_layout
-from rules._util import aten, mutated, prims
+from fxpass.graph import is_view, same_layout, writes
+from rules._util import aten, prims
 
 COPIES = (aten.clone.default, aten.lift_fresh_copy.default, prims.convert_element_type.default)
 VIEWS = (aten.alias.default, aten.detach.default)
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+
+
+def _aliases(node):
+    """``node`` and every value that views it, transitively (views share its storage)."""
+    seen, stack = [node], [node]
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "call_function" and is_view(u.target) and u not in seen:
+                seen.append(u)
+                stack.append(u)
+    return seen
+
+
+def _written(node) -> bool:
+    users = (u for a in _aliases(node) for u in a.users)
+    return any(u.op == "call_function" and writes(u.target) for u in users)
 
 
 @rule(*COPIES, *VIEWS, *RESHAPES, name="alias_removal", priority=10)
@@ -33,9 +49,11 @@ def alias_removal(node, rw):
     if node.target in COPIES or node.target in RESHAPES:
         if node.target is aten.clone.default and not same_layout(out, inp):
             return rw.skip("clone changes the memory layout")
-        if node.target in COPIES and (mutated(node) or mutated(src)):
-            return rw.skip("a copy that something writes to")
-    if src.op in ("placeholder", "get_attr") and any(u.op == "output" for u in node.users):
+        if node.target in COPIES and (_written(node) or _written(src)):
+            return rw.skip("a copy that something writes to (directly or through a view)")
+    if src.op in ("placeholder", "get_attr") and any(
+        u.op == "output" for a in _aliases(node) for u in a.users
+    ):
         return rw.skip("would make a graph output alias a graph input")
     rw.replace(node, src)
     return True

@@ -3,9 +3,12 @@
 Before -> after: an op that reads or writes bfloat16 (``mm(a_bf16, b_bf16)``, ``full(...,
 dtype=bf16)``, ``_softmax`` of bf16, ...) -> the same op on F32 (inputs cast up, explicit
 ``dtype=bf16`` arguments turned into F32) followed by a cast back to BF16. Then
-``bf16_cast_cancel`` removes each ``f32 -> bf16 -> f32`` round trip between two promoted ops,
-so a whole BF16 region runs in F32 with casts only at its boundary. Casts of constants fold
-away (constant_folding). The model-visible dtype stays BF16: graph outputs are cast back.
+``bf16_cast_cancel`` removes each ``f32 -> bf16 -> f32`` round trip in which promotion inserted
+either cast (between two promoted ops, or next to a model's own ``.to(...)``), so a whole BF16
+region runs in F32 with casts only at its boundary: the region does not reproduce eager's
+intermediate BF16 roundings (it is more accurate). A round trip the model wrote itself with
+nothing promoted in between is kept. Casts of constants fold away (constant_folding). The model-
+visible dtype stays BF16: graph outputs are cast back.
 
 Why: the BPU (hbdk4, hbDNN) has no BF16 type at all; without this, every BF16 op stays on
 the CPU. F32 inside the region is at least as accurate as eager BF16.
@@ -23,9 +26,10 @@ import torch
 from torch.fx.node import map_arg
 
 from fxpass import rule
-from rules._util import CAST, aten
+from rules._util import CAST, aten, writes
 
 BF16, F32 = torch.bfloat16, torch.float32
+UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)
 _SKIP = {CAST, aten._to_copy.default, aten.to.dtype, aten.view.dtype, operator.getitem}
 
 
@@ -46,6 +50,8 @@ def bf16_promotion(node, rw):
     """Compute ops that read/write BF16 (incl. dtype=bf16 arguments) in F32, cast at the edges."""
     if node.target in _SKIP or not isinstance(node.target, torch._ops.OpOverload):
         return False
+    if writes(node.target):
+        return rw.skip("in-place op: computing it on an F32 copy would lose the write")
     val = node.meta["val"]
     ins = [i for i in node.all_input_nodes if _has_bf16(i.meta.get("val"))]
     dt_arg = node.kwargs.get("dtype") == BF16
@@ -64,6 +70,8 @@ def bf16_promotion(node, rw):
     if _has_bf16(new_val):
         return rw.skip("still produces BF16 from F32 inputs (a positional dtype argument?)")
     up = {i: rw.call(CAST, i, F32, val=as_f32[i]) for i in ins}
+    for cast in up.values():
+        cast.meta[UP] = True  # bf16_cast_cancel only undoes round trips that this rule made
     args, kwargs = map_arg((args, kwargs), lambda x: up.get(x, x))
     new = rw.call(node.target, *args, val=new_val, **kwargs)
     if isinstance(val, (tuple, list)):
@@ -96,16 +104,21 @@ def _back(rw, new, old_val):
     """Cast back to the dtype eager produced (BF16) so the rest of the graph is unchanged."""
     nv = new.meta["val"]
     if isinstance(old_val, torch.Tensor) and nv.dtype != old_val.dtype:
-        return rw.call(CAST, new, old_val.dtype)
+        back = rw.call(CAST, new, old_val.dtype)
+        back.meta[UP] = True
+        return back
     return new
 
 
 @rule(CAST, name="bf16_cast_cancel", default=False, applies=_graph_has_bf16)
 def bf16_cast_cancel(node, rw):
-    """convert(convert(x_f32, bf16), f32) -> x_f32: drop the round trip inside a promoted region."""
+    """convert(convert(x_f32, bf16), f32) -> x_f32 when bf16_promotion added either cast: the
+    round trip exists only because promotion moved one side to F32."""
     src = node.args[0]
     if node.args[1] != F32 or src.op != "call_function" or src.target is not CAST:
         return False
+    if not (node.meta.get(UP) or src.meta.get(UP)):
+        return False  # both casts are the model's own: its bf16 rounding is kept
     if src.args[1] != BF16 or src.args[0].meta["val"].dtype != F32:
         return False
     rw.replace(node, src.args[0])

@@ -36,6 +36,8 @@ _NEVER = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.
 def _foldable(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or target in _NEVER or writes(target):
         return False
+    if "empty" in target._schema.name:  # uninitialized memory: empty, new_empty, empty_permuted
+        return False
     return torch.Tag.nondeterministic_seeded not in target.tags
 
 
@@ -94,13 +96,18 @@ def constant_folding(gm, rw):
     shared: dict[Any, Any] = {}
     keys: dict[Any, Any] = {}
 
+    def norm(a: Any) -> Any:
+        # 1 == 1.0 == True and 0.0 == -0.0 in Python, but not as op arguments: key by repr
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(norm(x) for x in a))
+        if isinstance(a, dict):
+            return tuple((k, norm(v)) for k, v in sorted(a.items()))
+        return key(a) if isinstance(a, torch.fx.Node) else (type(a).__name__, repr(a))
+
     def key(m: Any) -> Any:
         if m in keys:
             return keys[m]
-        if m.op != "call_function":
-            k = ("leaf", m)
-        else:
-            k = (m.target, map_arg((m.args, tuple(m.kwargs.items())), key))
+        k = ("leaf", m) if m.op != "call_function" else (m.target, norm(m.args), norm(m.kwargs))
         keys[m] = k
         return k
 

@@ -73,6 +73,13 @@ def scalar_overloads(node, rw):
         s = _scalar(args[1], rw) if len(args) > 1 else None
         if s is None:
             return False
+        x = args[0].meta["val"]
+        c = rw.constant(args[1])
+        like = torch.empty((1,), dtype=x.dtype)  # a dimensioned stand-in for x
+        if torch.result_type(like, c) != torch.result_type(like, s):
+            return rw.skip("the 0-dim constant sets the computation dtype; a scalar would not")
+        if t is aten.pow.Tensor_Tensor and not x.dtype.is_floating_point:
+            return rw.skip("integer base: pow.Tensor_Scalar rejects negative integer exponents")
         to = {aten.pow.Tensor_Tensor: aten.pow.Tensor_Scalar, **_CMP}.get(t, t)
         new = (to, (args[0], s, *args[2:]), kwargs)
         if not _same_result(node, rw, *new):  # promotion is the one thing that could differ

@@ -52,6 +52,11 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "disable": ((list, tuple), "rule names to disable"),
     "check": (bool, "run rule contract checks while compiling"),
     "threads": ((int, type(None)), "onnxruntime intra-op threads"),
+    "freeze_weights": (
+        bool,
+        "bake weights into artifacts, guarded (default True); False "
+        "passes them at every call: slower, but immune to writes via .data",
+    ),
 }
 MODES = {
     None: "",
@@ -88,6 +93,7 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     opts.setdefault("strict", False)
     opts.setdefault("cache", True)
     opts.setdefault("check", False)
+    opts.setdefault("freeze_weights", True)
     select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
     return opts
 
@@ -117,7 +123,7 @@ def fxpass_bpu(
     def fw(aot_gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
         return GuardedGraph(aot_gm, opts)
 
-    return aot_backend(fw)(gm, example_inputs)
+    return aot_backend(fw, freeze=opts["freeze_weights"])(gm, example_inputs)
 
 
 def _clone(gm: GraphModule) -> GraphModule:
@@ -215,9 +221,8 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     spliced = []
     for r in part.regions:
         name = f"g{report.graph}_r{r.id}"
-        rg = extract(gm, r)
-        fallback = None
         try:
+            rg = extract(gm, r)
             c = compile_region(
                 rg,
                 name,
@@ -225,9 +230,11 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
                 executor=kind,
                 cache=cache,
                 options={k: opts.get(k) for k in ("enable", "disable")},
+                threads=opts.get("threads"),
             )
-            executor, cached = c.executor, c.cached
-        except Exception as e:  # noqa: BLE001 - a region that cannot compile runs eagerly
+            inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
+            call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts["strict"])
+        except Exception as e:  # noqa: BLE001 - a region that cannot compile stays eager
             if opts["strict"]:
                 raise RuntimeError(f"fxpass_bpu: region {name} failed to compile: {e}") from e
             fallback = f"{type(e).__name__}: {e}"
@@ -235,26 +242,18 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
                 f"fxpass_bpu: region {name} failed to compile and runs eagerly: {fallback}",
                 stacklevel=2,
             )
-            executor, cached = None, False
-        inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
-        call = RegionCall(name, executor, rg.gm, inputs, strict=opts["strict"])
+            report.regions.append(
+                RegionReport(name, len(r.nodes), r.macs, 0, 0, "eager", False, fallback)
+            )
+            continue  # its nodes stay in the graph and run in PyTorch
         spliced.append((rg, call))
         report.regions.append(
             RegionReport(
-                name,
-                len(r.nodes),
-                r.macs,
-                len(rg.inputs),
-                len(rg.outputs),
-                kind if executor else "eager",
-                cached,
-                fallback,
+                name, len(r.nodes), r.macs, len(rg.inputs), len(rg.outputs), kind, c.cached
             )
         )
-        if executor is not None:
-            counted = [n for n in r.nodes if n.target is not getitem]
-            report.offloaded_call_nodes += len(counted)
-            report.offloaded_macs += r.macs
+        report.offloaded_call_nodes += sum(1 for n in r.nodes if n.target is not getitem)
+        report.offloaded_macs += r.macs
     out = splice(gm, spliced) if spliced else gm
     out.graph.eliminate_dead_code()
     out.recompile()

@@ -138,6 +138,10 @@ def reject_reason(node: Node, m: March) -> str | None:
     """None if the BPU can take ``node``; otherwise a short human reason."""
     if node.op != "call_function":
         return None
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        why = reject_reason(node.args[0], m)  # an element goes where its tuple goes
+        if why is not None:
+            return f"element of a rejected tuple ({why})"
     if node.target not in m.ops:
         return f"{node.target} is not in the {m.name} operator table"
     vals = _tensors(node.meta.get("val"))

@@ -71,30 +71,37 @@ def compile_region(
     executor: str,
     cache: ArtifactCache | None,
     options: dict[str, Any],
+    threads: int | None = None,
 ) -> Compiled:
     kind = resolve_executor(executor)
     key = region_key(rg.gm, march=march, executor=kind, options=options)
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
     if kind == "onnxruntime":
-        return _compile_ort(rg, name, key, input_names, cache)
+        return _compile_ort(rg, name, key, input_names, cache, threads)
     return _compile_hbm(rg, name, key, input_names, march, cache)
 
 
 def _compile_ort(
-    rg: RegionGraph, name: str, key: str, input_names: list[str], cache: ArtifactCache | None
+    rg: RegionGraph,
+    name: str,
+    key: str,
+    input_names: list[str],
+    cache: ArtifactCache | None,
+    threads: int | None = None,
 ) -> Compiled:
     if cache is not None:
         data = cache.get(key, ".ort.onnx")
         if data is not None:
-            return Compiled(OrtExecutor(data, input_names, preoptimized=True), key, True, len(data))
+            ex = OrtExecutor(data, input_names, threads=threads, preoptimized=True)
+            return Compiled(ex, key, True, len(data))
     proto = lower(rg.gm, name=name)
     data = proto.SerializeToString()
     if cache is None:
-        return Compiled(OrtExecutor(data, input_names), key, False, len(data))
+        return Compiled(OrtExecutor(data, input_names, threads=threads), key, False, len(data))
     # Let onnxruntime write its optimized model once; later processes load it unoptimized.
     with tempfile.TemporaryDirectory() as tmp:
         opt = os.path.join(tmp, "opt.onnx")
-        ex = OrtExecutor(data, input_names, optimized_path=opt)
+        ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)
         with open(opt, "rb") as f:
             cache.put(key, ".ort.onnx", f.read())
     return Compiled(ex, key, False, len(data))

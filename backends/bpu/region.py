@@ -45,6 +45,9 @@ def extract(gm: GraphModule, region: Region) -> RegionGraph:
     env: dict[Node, Node] = {}
     inputs = [i for i in external if not _is_const(i)]
     for i in inputs:
+        if not isinstance(i.meta.get("val"), torch.Tensor):
+            raise ValueError(f"region input {i.name} is not a tensor ({type(i.meta.get('val'))})")
+    for i in inputs:
         env[i] = g.placeholder(f"in_{i.name}")
         env[i].meta["val"] = i.meta["val"]
     for k, i in enumerate(c for c in external if _is_const(c)):

@@ -1,0 +1,67 @@
+"""Backend regressions from an independent review."""
+
+import warnings
+
+import torch
+
+from backends.bpu.compile import compile_region
+
+
+def test_an_argument_named_like_buffers_is_data_not_a_weight(opts):
+    from fxpass.capture import capture
+
+    def f(frame_buffers, w):
+        return frame_buffers @ w
+
+    c = capture(f, torch.randn(2, 4), torch.randn(4, 4))[0]
+    assert c.frozen == [False, False]
+
+
+def test_writes_through_data_are_seen_with_freeze_weights_off(opts):
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        c = torch.compile(
+            m, backend="fxpass_bpu", dynamic=False, options={**opts, "freeze_weights": False}
+        )
+        c(x)
+        m[0].weight.data.mul_(2)  # invisible to the version counter
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_getitem_of_a_rejected_tuple_stays_with_it(opts):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = torch.nn.LayerNorm(70000), torch.nn.Linear(70000, 16)
+
+        def forward(self, x):
+            return self.fc(self.ln(x)).relu()
+
+    m = M().eval()
+    x = torch.randn(1, 70000)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(x)
+    torch.testing.assert_close(got, m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_threads_option_reaches_onnxruntime(opts, monkeypatch):
+    import backends.bpu.compile as comp
+
+    seen = []
+    real = comp.compile_region
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(out.executor.session.get_session_options().intra_op_num_threads)
+        return out
+
+    monkeypatch.setattr("backends.bpu.backend.compile_region", spy)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    with torch.no_grad():
+        torch.compile(m, backend="fxpass_bpu", options={**opts, "threads": 1, "cache": False})(
+            torch.randn(2, 8)
+        )
+    assert seen == [1]
+    assert compile_region is real

@@ -1,0 +1,140 @@
+"""Regressions from an independent review: each of these gave a wrong answer or crashed once."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxpass import PassManager, RuleError, rule, select_rules
+from rules import (
+    alias_removal,
+    bf16_cast_cancel,
+    bf16_promotion,
+    constant_folding,
+    scalar_overloads,
+)
+from tests.conftest import trace
+
+aten = torch.ops.aten
+CAST = torch.ops.prims.convert_element_type.default
+
+
+def test_constant_folding_keeps_int_float_and_signed_zero_apart():
+    def f(x):
+        pos = torch.arange(4)
+        return x + pos * 2, x + pos * 2.0, x / torch.full((4,), 0.0), x / torch.full((4,), -0.0)
+
+    x = torch.ones(4)
+    gm = trace(f, x)
+    PassManager([constant_folding]).run(gm)
+    for e, g in zip(f(x), gm(x), strict=True):
+        assert e.dtype == g.dtype and torch.equal(e, g)
+
+
+def test_alias_removal_keeps_copies_reached_through_views():
+    def returns_view_of_copy(x):
+        return x.clone().view(-1)
+
+    x = torch.zeros(2, 2)
+    gm = trace(returns_view_of_copy, x)
+    PassManager([alias_removal]).run(gm)
+    out = gm(x)
+    out.add_(1)
+    assert torch.equal(x, torch.zeros(2, 2)), "output aliases the input"
+
+    def writes_through_view(x):
+        y = x.clone()
+        y.view(-1).add_(1)
+        return y + x
+
+    gm = trace(writes_through_view, torch.zeros(3))
+    PassManager([alias_removal]).run(gm)
+    x = torch.zeros(3)
+    assert torch.equal(gm(x), torch.ones(3)) and torch.equal(x, torch.zeros(3))
+
+
+def test_scalar_overloads_respects_the_constant_dtype_in_comparisons_and_int_pow():
+    def f(i):
+        c = torch.tensor(2048.0, dtype=torch.float16)
+        return i == c, i > c, torch.pow(i, torch.tensor(-1))
+
+    i = torch.tensor([2049, 2050, 1], dtype=torch.int32)
+    gm = trace(f, i)
+    expected = gm(i)
+    PassManager([scalar_overloads, alias_removal]).run(gm)
+    for e, g in zip(expected, gm(i), strict=True):
+        assert torch.equal(e, g)
+
+
+def test_retargeted_nodes_revisit_their_users():
+    def f(q, k, v, w):
+        a = F.scaled_dot_product_attention(q, k, v)
+        return CAST(a, torch.float32) @ w
+
+    q, w = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16), torch.randn(8, 8)
+    gm = trace(f, q, q, q, w)
+    PassManager(select_rules(target="bpu"), check=True).run(gm)  # no rule fires at fixpoint
+    assert PassManager(select_rules(target="bpu")).run(gm).total_rewrites == 0
+
+
+def test_bf16_cast_cancel_keeps_the_models_own_round_trip():
+    x = torch.tensor([1.0009765625 + 1e-4, 3.1415927])
+    gm = trace(lambda t: t.to(torch.bfloat16).to(torch.float32) * 2, x)
+    expected = gm(x)
+    PassManager(select_rules(target="bpu")).run(gm)
+    assert torch.equal(gm(x), expected)
+
+
+def test_bf16_promotion_leaves_in_place_ops_alone():
+    def f(x, y):
+        x.add_(y)
+        return x * 2
+
+    gm = trace(f, torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))
+    PassManager([bf16_promotion, bf16_cast_cancel]).run(gm)
+    x = torch.ones(3, dtype=torch.bfloat16)
+    gm(x, torch.ones(3, dtype=torch.bfloat16))
+    assert torch.equal(x, torch.full((3,), 2.0, dtype=torch.bfloat16))
+
+
+def test_replace_input_never_drops_an_in_place_producer():
+    @rule(aten.mul.Tensor)
+    def read_self(node, rw):
+        src = node.args[0]
+        if getattr(src, "target", None) is not aten.add_.Tensor:
+            return False
+        rw.replace_input(node, src, src.args[0])
+        return True
+
+    def f(x):
+        x.add_(1)
+        return x * 2
+
+    gm = trace(f, torch.zeros(3))
+    PassManager([read_self]).run(gm)
+    assert torch.equal(gm(torch.zeros(3)), torch.full((3,), 2.0))
+
+
+def test_rollback_removes_constants_registered_by_the_failed_rule():
+    @rule(aten.neg.default)
+    def fails_after_const(node, rw):
+        rw.const(torch.ones(2))
+        raise RuntimeError("boom")
+
+    gm = trace(lambda x: -x, torch.ones(2))
+    before = {n for n, _ in gm.named_buffers()}
+    with pytest.raises(RuleError):
+        PassManager([fails_after_const]).run(gm)
+    assert {n for n, _ in gm.named_buffers()} == before
+
+
+def test_uninitialized_memory_is_never_folded():
+    from rules.constant_folding import _foldable
+
+    for op in (
+        aten.empty.memory_format,
+        aten.empty_permuted.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.empty_like.default,
+    ):
+        assert not _foldable(op)
