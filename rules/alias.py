@@ -1,7 +1,7 @@
 """alias_removal: drop identity ops that are provably no-ops in an inference graph.
 
 Before -> after: ``alias(x)``, ``detach(x)``, ``lift_fresh_copy(x)``, ``clone(x)``,
-``view/reshape/_unsafe_view/expand(x, same shape)`` and ``convert_element_type(x, same dtype)``
+``view/reshape/_unsafe_view/expand(x, same shape)`` and casts to the same dtype
 -> ``x``.
 
 Why: backends match one op per value; identity ops split regions and hide patterns.
@@ -18,7 +18,12 @@ from fxpass import rule
 from fxpass.graph import is_view, same_layout, writes
 from rules._util import aten, prims
 
-COPIES = (aten.clone.default, aten.lift_fresh_copy.default, prims.convert_element_type.default)
+COPIES = (
+    aten.clone.default,
+    aten.lift_fresh_copy.default,
+    aten._to_copy.default,
+    prims.convert_element_type.default,
+)
 VIEWS = (aten.alias.default, aten.detach.default)
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
 

@@ -26,11 +26,11 @@ import torch
 from torch.fx.node import map_arg
 
 from fxpass import rule
-from rules._util import CAST, aten, writes
+from rules._util import CAST, aten, cast_to, prims, writes
 
 BF16, F32 = torch.bfloat16, torch.float32
 UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)
-_SKIP = {CAST, aten._to_copy.default, aten.to.dtype, aten.view.dtype, operator.getitem}
+_SKIP = {CAST, prims.convert_element_type.default, aten.to.dtype, aten.view.dtype, operator.getitem}
 
 
 def _has_bf16(v) -> bool:
@@ -69,7 +69,7 @@ def bf16_promotion(node, rw):
     new_val = rw.infer(node.target, args, kwargs, override=as_f32)
     if _has_bf16(new_val):
         return rw.skip("still produces BF16 from F32 inputs (a positional dtype argument?)")
-    up = {i: rw.call(CAST, i, F32, val=as_f32[i]) for i in ins}
+    up = {i: rw.call(CAST, i, dtype=F32, val=as_f32[i]) for i in ins}
     for cast in up.values():
         cast.meta[UP] = True  # bf16_cast_cancel only undoes round trips that this rule made
     args, kwargs = map_arg((args, kwargs), lambda x: up.get(x, x))
@@ -104,7 +104,7 @@ def _back(rw, new, old_val):
     """Cast back to the dtype eager produced (BF16) so the rest of the graph is unchanged."""
     nv = new.meta["val"]
     if isinstance(old_val, torch.Tensor) and nv.dtype != old_val.dtype:
-        back = rw.call(CAST, new, old_val.dtype)
+        back = rw.call(CAST, new, dtype=old_val.dtype)
         back.meta[UP] = True
         return back
     return new
@@ -112,14 +112,14 @@ def _back(rw, new, old_val):
 
 @rule(CAST, name="bf16_cast_cancel", default=False, applies=_graph_has_bf16)
 def bf16_cast_cancel(node, rw):
-    """convert(convert(x_f32, bf16), f32) -> x_f32 when bf16_promotion added either cast: the
+    """cast(cast(x_f32, bf16), f32) -> x_f32 when bf16_promotion added either cast: the
     round trip exists only because promotion moved one side to F32."""
     src = node.args[0]
-    if node.args[1] != F32 or src.op != "call_function" or src.target is not CAST:
+    if cast_to(node) != F32 or not isinstance(src, torch.fx.Node) or cast_to(src) != BF16:
         return False
     if not (node.meta.get(UP) or src.meta.get(UP)):
         return False  # both casts are the model's own: its bf16 rounding is kept
-    if src.args[1] != BF16 or src.args[0].meta["val"].dtype != F32:
+    if src.args[0].meta["val"].dtype != F32:
         return False
     rw.replace(node, src.args[0])
     return True

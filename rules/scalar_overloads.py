@@ -7,7 +7,8 @@ Before -> after:
 - ``eq/ne/lt/le/gt/ge.Tensor(x, c)`` with ``c`` a 0-dim constant -> ``.Scalar(x, c.item())``;
 - ``pow.Tensor_Tensor(x, c)`` with ``c`` a 0-dim constant -> ``pow.Tensor_Scalar``;
 - ``where.ScalarSelf / ScalarOther / Scalar`` -> ``where.self`` with 0-dim ``scalar_tensor``s;
-- casts: ``_to_copy(x, dtype=d)`` (nothing else set), ``to.dtype`` -> ``convert_element_type``.
+- casts: ``prims.convert_element_type(x, d)``, ``to.dtype``, ``_to_copy`` with only harmless
+  extras (cpu, strided) -> ``_to_copy(x, dtype=d)`` (a C++ op: cheap when left on the CPU).
 
 Why: a capability table or a rule written for ``mul.Tensor`` should not miss ``mul.Scalar``.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from fxpass import rule
-from rules._util import CAST, aten
+from rules._util import CAST, aten, cast_to, prims
 
 _TO_TENSOR = {
     aten.add.Scalar: aten.add.Tensor,
@@ -42,7 +43,7 @@ _CMP = {
     aten.ge.Tensor: aten.ge.Scalar,
 }
 _WHERE = (aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
-_CASTS = (aten._to_copy.default, aten.to.dtype)
+_CASTS = (aten._to_copy.default, aten.to.dtype, prims.convert_element_type.default)
 _HARMLESS = {"layout": (None, torch.strided), "device": (None, torch.device("cpu"), "cpu")}
 
 
@@ -65,7 +66,7 @@ def _same_result(node, rw, target, args, kwargs) -> bool:
 )
 def scalar_overloads(node, rw):
     """Canonicalize scalar overloads (.Scalar -> .Tensor with a Python scalar, 0-dim constants
-    -> scalars, where.Scalar* -> where.self) and dtype casts (-> convert_element_type)."""
+    -> scalars, where.Scalar* -> where.self) and dtype casts (-> _to_copy(dtype=...))."""
     t, args, kwargs = node.target, node.args, dict(node.kwargs)
     if t in _TO_TENSOR:
         new = (_TO_TENSOR[t], args, kwargs)
@@ -99,6 +100,8 @@ def scalar_overloads(node, rw):
         )
         new = (aten.where.self, (cond, a, b), {})
     else:  # casts
+        if cast_to(node) is not None:
+            return False  # already canonical
         dtype = kwargs.pop("dtype", None) if t is aten._to_copy.default else args[1]
         if t is aten.to.dtype:
             if args[2:] and any(args[2:4]) or kwargs.get("copy") or kwargs.get("non_blocking"):
@@ -107,6 +110,6 @@ def scalar_overloads(node, rw):
         extra = {k: v for k, v in kwargs.items() if v not in _HARMLESS.get(k, (None, False))}
         if dtype is None or extra:
             return rw.skip(f"cast with {sorted(extra) or 'no dtype'}: not a pure dtype cast")
-        new = (CAST, (args[0], dtype), {})
+        new = (CAST, (args[0],), {"dtype": dtype})
     rw.retarget(node, new[0], *new[1], **new[2])  # same value, same users: edit in place
     return True

@@ -83,6 +83,7 @@ FAMILIES: dict[str, tuple[Any, ...]] = {
         aten.zeros_like.default,
         aten.where.self,
         prims.convert_element_type.default,
+        aten._to_copy.default,
         aten.masked_fill.Scalar,
         aten.any.dim,
     ),
