@@ -21,7 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from backends.bpu.cache import ArtifactCache
-from backends.bpu.capability import DEFAULT_MARCH, MARCHES, march, reject_reason
+from backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
 from backends.bpu.cost import macs
 from backends.bpu.partition import partition
@@ -211,7 +211,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     min_macs = opts.get("min_compute_macs")
     if min_macs is None:
         min_macs = DEFAULT_MIN_MACS[kind]
-    part = partition(gm, lambda n: reject_reason(n, m), min_compute_macs=min_macs)
+    part = partition(gm, Capability(m), min_compute_macs=min_macs)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem]
     report.call_nodes = len(calls)
     report.macs = sum(macs(n) for n in calls)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from backends.bpu.lower import LOWERINGS, can_lower
+from backends.bpu.lower import _CHECKS, _TUPLE_OUTPUTS, LOWERINGS, can_lower
 from fxpass.graph import is_static
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -164,3 +164,72 @@ def reject_reason(node: Node, m: March) -> str | None:
     if node.target is not operator.getitem and node.target not in LOWERINGS:
         return f"no ONNX lowering for {node.target}"
     return can_lower(node)
+
+
+class Capability:
+    """``reject_reason`` for one graph, with each value's verdict computed once.
+
+    A value feeds several nodes; checking its dtype, rank and static shape once per value
+    instead of once per use, and consulting the lowering's argument checks only for ops that
+    have them, is what keeps partitioning linear and cheap on 100k-node graphs.
+    """
+
+    def __init__(self, m: March):
+        self.m = m
+        self._value: dict[Node, str | None] = {}
+        self._node: dict[Node, str | None] = {}
+
+    def value_reason(self, n: Node) -> str | None:
+        if n in self._value:
+            return self._value[n]
+        why = None
+        for v in _tensors(n.meta.get("val")):
+            if not is_static(v):
+                why = "symbolic shape (the BPU needs every dimension at compile time)"
+            elif v.dtype == torch.bfloat16:
+                why = "bfloat16 (no BF16 on the BPU; enable bf16_promotion)"
+            elif v.dtype not in self.m.dtypes:
+                why = f"dtype {v.dtype} not supported on {self.m.name}"
+            elif v.dim() > self.m.max_rank:
+                why = f"rank {v.dim()} > {self.m.max_rank}"
+            if why:
+                break
+        self._value[n] = why
+        return why
+
+    def __call__(self, node: Node) -> str | None:
+        if node in self._node:
+            return self._node[node]
+        why = self._reason(node)
+        self._node[node] = why
+        return why
+
+    def _reason(self, node: Node) -> str | None:
+        m, t = self.m, node.target
+        if node.op != "call_function":
+            return None
+        if t is operator.getitem and isinstance(node.args[0], Node):
+            why = self(node.args[0])
+            if why is not None:
+                return f"element of a rejected tuple ({why})"
+            return can_lower(node)
+        if t not in m.ops:
+            return f"{t} is not in the {m.name} operator table"
+        if t not in LOWERINGS:
+            return f"no ONNX lowering for {t}"
+        for i in node.all_input_nodes:
+            why = self.value_reason(i)
+            if why:
+                return why
+        if t not in _TUPLE_OUTPUTS:
+            why = self.value_reason(node)
+            if why:
+                return why
+        if t in _REDUCE and node.all_input_nodes:
+            x = node.all_input_nodes[0].meta["val"]
+            if any(s > m.max_reduce for s in x.shape[-1:]):
+                return f"reduce axis size {x.shape[-1]} > {m.max_reduce}"
+        if t in _TUPLE_OUTPUTS:
+            return can_lower(node)
+        check = _CHECKS.get(t)  # argument checks of the lowering (rounding mode, ...)
+        return check(node) if check is not None else None

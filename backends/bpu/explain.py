@@ -46,7 +46,7 @@ def explain(
     progress: bool = True,
 ) -> dict[str, Any]:
     from backends.bpu.backend import DEFAULT_MIN_MACS
-    from backends.bpu.capability import march, reject_reason
+    from backends.bpu.capability import Capability, march
     from backends.bpu.cost import macs
     from backends.bpu.partition import partition
     from backends.bpu.region import extract
@@ -69,7 +69,7 @@ def explain(
         step(f"graph {gi}: rewriting {len(gm.graph.nodes)} nodes to fixpoint")
         rep = PassManager(select_rules(target="bpu")).run(gm)
         step(f"graph {gi}: partitioning")
-        part = partition(gm, lambda n: reject_reason(n, m), min_compute_macs=threshold)
+        part = partition(gm, Capability(m), min_compute_macs=threshold)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         total = sum(macs(n) for n in calls)
         regions = []

@@ -32,10 +32,7 @@ class Region:
     id: int
     nodes: list[Node] = field(default_factory=list)
     macs: int = 0
-
-    @property
-    def compute_nodes(self) -> int:
-        return sum(1 for n in self.nodes if macs(n) > 0)
+    compute_nodes: int = 0
 
 
 @dataclass
@@ -133,7 +130,9 @@ def partition(
         root = find(rid)
         reg = by_root.setdefault(root, Region(id=root))
         reg.nodes.append(n)
-        reg.macs += macs(n)
+        k = macs(n)
+        reg.macs += k
+        reg.compute_nodes += k > 0
     regions, dropped = [], []
     for reg in by_root.values():
         if reg.compute_nodes == 0:
