@@ -11,8 +11,6 @@ measure what a warm cache saves. A contender that fails is recorded with its err
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -20,15 +18,26 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import harness
+from benchmarks.contenders import (
+    Result,
+    Wrapped,
+    attempt,
+    bpu_options,
+    bpu_report,
+    check,
+    compiled,
+    configure_dynamo,
+    err,
+    onnx_session,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -69,39 +78,6 @@ class Case:
         return Wrapped(model, list(tensors), static).eval(), tuple(tensors.values())
 
 
-class Wrapped(torch.nn.Module):
-    """Positional tensors in, one tensor out (logits / last_hidden_state): the same callable
-    for every contender, and what ``torch.onnx.export`` needs for a HF model."""
-
-    def __init__(self, model: torch.nn.Module, names: list[str], static: dict[str, Any]):
-        super().__init__()
-        self.model, self.names, self.static = model, names, static
-
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        out = self.model(**dict(zip(self.names, tensors, strict=True)), **self.static)
-        if isinstance(out, torch.Tensor):
-            return out
-        for key in ("logits", "last_hidden_state"):
-            if getattr(out, key, None) is not None:
-                return getattr(out, key)
-        raise TypeError(f"no logits/last_hidden_state in {type(out).__name__}")
-
-
-@dataclass
-class Result:
-    """One contender on one case. ``error`` set means it failed at that ``stage``."""
-
-    contender: str
-    first_call_s: float | None = None
-    stats: dict[str, float | int] | None = None
-    ratio_vs_eager: float | None = None
-    check: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    stage: str | None = None
-    traceback: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def quick_cases() -> list[Case]:
     return [
         Case("qwen3-4l-1024", "fp32", 1),
@@ -113,141 +89,6 @@ def quick_cases() -> list[Case]:
 
 def full_cases() -> list[Case]:
     return [Case(m, d, t) for m in MODELS for d in DTYPES for t in (1, 128)]
-
-
-def _err(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first[:300]}"
-
-
-def check(ref: torch.Tensor, out: Any) -> dict[str, Any]:
-    """fp32: max abs error over the output's max abs value; bf16: cosine; plus dtype kept."""
-    if not isinstance(out, torch.Tensor):
-        return {"ok": False, "why": f"output is {type(out).__name__}"}
-    res: dict[str, Any] = {"dtype": str(out.dtype).removeprefix("torch."), "shape_ok": True}
-    res["dtype_ok"] = out.dtype == ref.dtype
-    if out.shape != ref.shape:
-        return {**res, "shape_ok": False, "ok": False}
-    a, b = ref.detach().float().flatten(), out.detach().float().flatten()
-    if ref.dtype == torch.float32:
-        err = ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
-        res.update(rel_err=err, ok=res["dtype_ok"] and err < 1e-3)
-    else:
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
-        res.update(cosine=cos, ok=res["dtype_ok"] and cos > 0.99)
-    return res
-
-
-def _configure_dynamo() -> None:
-    import torch._dynamo.config as cfg
-
-    for key in ("cache_size_limit", "recompile_limit"):
-        if hasattr(cfg, key):
-            setattr(cfg, key, 64)
-
-
-def _compiled(
-    model: torch.nn.Module, inputs: tuple, backend: str, options: dict | None = None
-) -> tuple[Callable[[], Any], float, Any]:
-    """Time ``torch.compile`` plus the first call (which compiles); return the callable."""
-    box: list[Any] = []
-
-    def first() -> Any:
-        box.append(torch.compile(model, backend=backend, dynamic=False, options=options))
-        return box[0](*inputs)
-
-    t, out = harness.timed(first)
-    c = box[0]
-    return (lambda: c(*inputs)), t, out
-
-
-def _bpu_options(cache_dir: str) -> dict[str, Any]:
-    return {"executor": "onnxruntime", "cache_dir": cache_dir}
-
-
-def _bpu_report(reports: list[Any]) -> dict[str, Any]:
-    """Regions and offloaded shares summed over the graphs one compile produced."""
-    calls = sum(r.call_nodes for r in reports)
-    macs = sum(r.macs for r in reports)
-    regions = [g for r in reports for g in r.regions]
-    return {
-        "graphs": len(reports),
-        "regions": len(regions),
-        "fallback_regions": [f"{g.name}: {g.fallback}" for g in regions if g.fallback],
-        "cached_regions": sum(1 for g in regions if g.cached),
-        "call_nodes": calls,
-        "offloaded_call_nodes": sum(r.offloaded_call_nodes for r in reports),
-        "node_share": sum(r.offloaded_call_nodes for r in reports) / calls if calls else 0.0,
-        "macs": macs,
-        "mac_share": sum(r.offloaded_macs for r in reports) / macs if macs else 0.0,
-        "backend_compile_s": sum(r.compile_seconds for r in reports),
-        "cpu_reasons": {k: v for r in reports for k, v in r.cpu_reasons.items()},
-        "dropped": [d for r in reports for d in r.dropped],
-    }
-
-
-def _onnx_value(t: torch.Tensor) -> Any:
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-
-    t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        raw = t.view(torch.int16).numpy().view(np.uint16)
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, onnx.TensorProto.BFLOAT16)
-    return ort.OrtValue.ortvalue_from_numpy(t.numpy())
-
-
-def _onnx_tensor(v: Any) -> torch.Tensor:
-    import numpy as np
-
-    if v.data_type() == "tensor(bfloat16)":
-        return torch.from_numpy(np.asarray(v.numpy()).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.asarray(v.numpy()))
-
-
-def _onnx(
-    model: torch.nn.Module, inputs: tuple, workdir: str, res: Result
-) -> tuple[Callable[[], Any], float, torch.Tensor]:
-    """Export the whole model (dynamo exporter, else legacy) and run it with onnxruntime."""
-    import onnxruntime as ort
-
-    path = os.path.join(workdir, "model.onnx")
-    t0 = time.perf_counter()
-    res.stage = "export"
-    quiet = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            torch.onnx.export(model, inputs, path, dynamo=True, external_data=True)
-        res.extra["exporter"] = "dynamo"
-    except Exception as e:  # noqa: BLE001 - fall back to the legacy exporter, and say so
-        res.extra["exporter"] = f"legacy (dynamo failed: {_err(e)})"
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            torch.onnx.export(model, inputs, path, dynamo=False)
-    res.extra["export_s"] = time.perf_counter() - t0
-    res.stage = "session"
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-    if len(names) != len(inputs):
-        raise RuntimeError(f"ONNX model takes {names}, expected {len(inputs)} inputs")
-    feeds = {n: _onnx_value(t) for n, t in zip(names, inputs, strict=True)}
-    res.stage = "run"
-    run = lambda: sess.run_with_ort_values(None, feeds)  # noqa: E731
-    out = _onnx_tensor(run()[0])
-    return run, time.perf_counter() - t0, out
-
-
-def _attempt(res: Result, stage: str, fn: Callable[[], Any]) -> Any:
-    """Run ``fn``; on failure record the error on ``res`` and return None."""
-    res.stage = res.stage or stage
-    try:
-        out = fn()
-        res.stage = None
-        return out
-    except Exception as e:  # noqa: BLE001 - a failing contender is a result, not a crash
-        res.error = _err(e)
-        res.traceback = "".join(traceback.format_exception(e)[-12:])
-        return None
 
 
 def child_compile(case: Case, cache_dir: str, timeout_s: float = 900) -> dict[str, Any]:
@@ -275,7 +116,7 @@ def _child_main(spec: str) -> None:
 
     args = json.loads(spec)
     case = Case(**args["case"])
-    _configure_dynamo()
+    configure_dynamo()
     with torch.no_grad():
         model, inputs = case.build()
         model(*inputs)
@@ -285,13 +126,34 @@ def _child_main(spec: str) -> None:
                     model,
                     backend="fxpass_bpu",
                     dynamic=False,
-                    options=_bpu_options(args["cache_dir"]),
+                    options=bpu_options(args["cache_dir"]),
                 )(*inputs)
             )
-            out = {"compile_first_call_s": t, **_bpu_report(fxpass.compile_reports())}
+            out = {"compile_first_call_s": t, **bpu_report(fxpass.compile_reports())}
         except Exception as e:  # noqa: BLE001
-            out = {"error": _err(e)}
+            out = {"error": err(e)}
     print(CHILD_MARK + json.dumps(out), flush=True)
+
+
+def time_quietly(
+    callables: dict[str, Callable[[], Any]],
+    timing: dict[str, Any],
+    quiet_wait_s: float,
+    attempts: int = 3,
+    threshold: float = 0.15,
+) -> tuple[dict[str, harness.Stats], float | None, int]:
+    """Interleaved timing, retried (after waiting for quiet) while other processes used more
+    than ``threshold`` of the CPUs; keeps the attempt with the least outside load."""
+    tried: list[tuple[float, dict[str, harness.Stats], float | None]] = []
+    while len(tried) < attempts:
+        harness.wait_for_quiet(threshold, max_wait_s=quiet_wait_s)
+        with harness.OtherLoad() as load:
+            stats = harness.interleave(callables, **timing)
+        tried.append((load.share or 0.0, stats, load.share))
+        if load.share is None or load.share < threshold:
+            break
+    _, stats, share = min(tried, key=lambda t: t[0])
+    return stats, share, len(tried)
 
 
 def run_case(
@@ -311,7 +173,7 @@ def run_case(
         callables["eager"] = lambda: model(*inputs)
 
         r = results["inductor"]
-        got = _attempt(r, "compile", lambda: _compiled(model, inputs, "inductor"))
+        got = attempt(r, "compile", lambda: compiled(model, inputs, "inductor"))
         if got:
             callables["inductor"], r.first_call_s, out = got
             r.check = check(ref, out)
@@ -319,10 +181,12 @@ def run_case(
         r = results["fxpass_bpu"]
         cache_dir = os.path.join(tmp, "bpu-cache")
         n0 = len(fxpass.compile_reports())
-        got = _attempt(
-            r, "compile", lambda: _compiled(model, inputs, "fxpass_bpu", _bpu_options(cache_dir))
+        got = attempt(
+            r,
+            "compile",
+            lambda: compiled(model, inputs, "fxpass_bpu", bpu_options(cache_dir)),
         )
-        r.extra.update(_bpu_report(fxpass.compile_reports()[n0:]))
+        r.extra.update(bpu_report(fxpass.compile_reports()[n0:]))
         if got:
             callables["fxpass_bpu"], r.first_call_s, out = got
             r.check = check(ref, out)
@@ -333,13 +197,12 @@ def run_case(
             r.extra["warm_child"] = child_compile(case, cache_dir)
 
         r = results["onnxruntime"]
-        got = _attempt(r, "export", lambda: _onnx(model, inputs, tmp, r))
+        got = attempt(r, "export", lambda: onnx_session(model, inputs, tmp, r))
         if got:
             callables["onnxruntime"], r.first_call_s, out = got
             r.check = check(ref, out)
 
-        busy = harness.wait_for_quiet(max_wait_s=quiet_wait_s)
-        stats = harness.interleave(callables, **timing)
+        stats, busy, tries = time_quietly(callables, timing, quiet_wait_s)
     eager = stats["eager"].median
     for name, s in stats.items():
         results[name].stats = s.to_dict()
@@ -347,7 +210,8 @@ def run_case(
     return {
         "case": asdict(case),
         "label": case.label,
-        "background_busy_before_timing": busy,
+        "background_busy_during_timing": busy,
+        "timing_attempts": tries,
         "results": [asdict(r) for r in results.values()],
     }
 
@@ -390,7 +254,7 @@ def latency_rows(cases: list[dict[str, Any]]) -> list[dict[str, str]]:
                     "first call s": f"{r['first_call_s']:.2f}" if r["first_call_s"] else "",
                     "check vs eager": _check_cell(r),
                     "note": note or "",
-                    "bg busy": _pct(c.get("background_busy_before_timing")),
+                    "bg busy": _pct(c.get("background_busy_during_timing")),
                 }
             )
     return rows
@@ -456,7 +320,9 @@ def compile_rows(cases: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "bpu first call s": f"{bf:.2f}" if bf else b["error"] or "",
                 "inductor first call s": f"{inf_:.2f}" if inf_ else ind["error"] or "",
                 "bpu/inductor": f"{bf / inf_:.2f}x" if bf and inf_ else "",
-                "warm new proc s": f"{wt:.2f}" if wt else warm.get("error", ""),
+                "warm new proc s": f"{wt:.2f} (backend {warm['backend_compile_s']:.2f})"
+                if wt
+                else warm.get("error", ""),
                 "cold/warm": f"{ct / wt:.1f}x" if ct and wt else "",
                 "cold new proc s": f"{ct:.2f}" if ct else cold.get("error", ""),
                 "cached in warm proc": f"{warm.get('cached_regions')}/{warm.get('regions')}"
@@ -498,16 +364,21 @@ def warm_up_process() -> None:
     x = torch.randn(4, 64)
     with torch.no_grad(), tempfile.TemporaryDirectory(prefix="fxpass-bench-") as tmp:
         torch.compile(lin, backend="inductor", dynamic=False)(x)
-        opts = {**_bpu_options(tmp), "min_compute_macs": 0}
+        opts = {**bpu_options(tmp), "min_compute_macs": 0}
         torch.compile(lin, backend="fxpass_bpu", dynamic=False, options=opts)(x)
     torch._dynamo.reset()
 
 
-def run(quick: bool = False, only: str | None = None, cold_child: bool = True) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    only: str | None = None,
+    cold_child: bool = True,
+    quiet_wait_s: float | None = None,
+) -> dict[str, Any]:
     """Run the model benchmarks; returns the JSON-able record."""
     inductor_cache = tempfile.mkdtemp(prefix="fxpass-bench-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache  # no warm cache from earlier runs
-    _configure_dynamo()
+    configure_dynamo()
     cases = quick_cases() if quick else full_cases()
     if only:
         cases = [c for c in cases if re.search(only, c.label)]
@@ -526,7 +397,8 @@ def run(quick: bool = False, only: str | None = None, cold_child: bool = True) -
     for case in cases:
         t0 = time.perf_counter()
         print(f"[models] {case.label} ...", file=sys.stderr, flush=True)
-        out["cases"].append(run_case(case, timing, cold_child, 20.0 if quick else 120.0))
+        wait = quiet_wait_s if quiet_wait_s is not None else (10.0 if quick else 60.0)
+        out["cases"].append(run_case(case, timing, cold_child, wait))
         print(f"[models] {case.label} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return out
 
@@ -542,12 +414,13 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="also compile in a fresh process with an empty cache (the cold/warm baseline)",
     )
+    ap.add_argument("--quiet-wait", type=float, help="max seconds to wait for a quiet machine")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         _child_main(args.child)
         return
-    data = run(args.quick, args.only, args.cold_child)
+    data = run(args.quick, args.only, args.cold_child, args.quiet_wait)
     out = Path(args.out)
     harness.write_json(out / "models.json", data)
     md = to_markdown(data)

@@ -22,6 +22,7 @@ is recorded as capped.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -55,10 +56,10 @@ def _rules() -> list[Any]:
 
 
 def _reject() -> Callable[[Node], str | None]:
-    from backends.bpu.capability import march, reject_reason
+    """A fresh per-graph Capability, as the backend uses it (verdicts cached per value)."""
+    from backends.bpu.capability import Capability, march
 
-    m = march("nash-p")
-    return lambda n: reject_reason(n, m)
+    return Capability(march("nash-p"))
 
 
 def run_pass_manager(gm: GraphModule) -> tuple[float, dict[str, Any]]:
@@ -122,30 +123,34 @@ def run_replace_pattern(gm: GraphModule) -> tuple[float, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Measurement:
-    name: str
+    name: str  # key in the JSON rows
     graph: str  # "raw" (as built) or "rewritten" (after the bpu rules, as the backend sees it)
     fn: Callable[[GraphModule], tuple[float, dict[str, Any]]]
-    ours: bool
-    what: str
+    label: str  # for the table
 
 
 MEASUREMENTS = (
-    Measurement("pass_manager", "raw", run_pass_manager, True, "fxpass rules to fixpoint"),
-    Measurement("fx_codegen", "rewritten", run_codegen, False, "gm.recompile()"),
-    Measurement("partition", "rewritten", run_partition, True, "fxpass convex partitioner"),
-    Measurement("partition", "raw", run_partition, True, "fxpass convex partitioner"),
+    Measurement("pass_manager", "raw", run_pass_manager, "fxpass PassManager (all bpu rules)"),
+    Measurement("fx_codegen", "rewritten", run_codegen, "torch.fx codegen gm.recompile()"),
+    Measurement("partition", "rewritten", run_partition, "fxpass partition"),
+    Measurement("partition", "raw", run_partition, "fxpass partition"),
     Measurement(
-        "fx CapabilityBasedPartitioner",
+        "fx_capability_partitioner",
         "rewritten",
         run_fx_partitioner,
-        False,
-        "propose_partitions()",
+        "torch.fx CapabilityBasedPartitioner",
     ),
     Measurement(
-        "fx CapabilityBasedPartitioner", "raw", run_fx_partitioner, False, "propose_partitions()"
+        "fx_capability_partitioner",
+        "raw",
+        run_fx_partitioner,
+        "torch.fx CapabilityBasedPartitioner",
     ),
     Measurement(
-        "fx replace_pattern", "raw", run_replace_pattern, False, "1 pattern, incl. recompile"
+        "fx_replace_pattern",
+        "raw",
+        run_replace_pattern,
+        "torch.fx replace_pattern (1 pattern, incl. recompile)",
     ),
 )
 
@@ -178,6 +183,7 @@ def measure(
     times, info = [], {}
     for _ in range(repeats):
         gm = fresh(graphs[m.graph])
+        gc.collect()  # garbage from the previous measurement is not this one's cost
         t, info = m.fn(gm)
         times.append(t)
         if t > 10:
@@ -204,9 +210,9 @@ def run(
 ) -> dict[str, Any]:
     """All measurements at all sizes; returns the JSON-able record."""
     repeats = 1 if quick else 3
-    cap_s = cap_s if cap_s is not None else (20.0 if quick else 60.0)
+    cap_s = cap_s if cap_s is not None else (10.0 if quick else 60.0)
     rows: list[dict[str, Any]] = []
-    busy = harness.wait_for_quiet(max_wait_s=20 if quick else 120)
+    busy = harness.wait_for_quiet(max_wait_s=10 if quick else 120)
     for size in sizes:
         t0 = time.perf_counter()
         raw = build(size)
@@ -218,13 +224,21 @@ def run(
             prev = [r for r in rows if (r["measurement"], r["graph"]) == (m.name, m.graph)]
             slow = [r for r in prev if r["status"] == "ok" and r["median_s"] > cap_s]
             pred = _predict(prev, len(graphs[m.graph].graph.nodes))
-            if any(r["status"] != "ok" for r in prev) or slow or (pred and pred > 5 * cap_s):
-                why = f"capped (predicted ~{pred:.0f} s)" if pred else "capped"
+            failed = [r for r in prev if r["status"] != "ok"]
+            if failed or slow or (pred and pred > 5 * cap_s):
+                why = (
+                    f"capped ({failed[-1]['size'] // 1000}k was not measured)"
+                    if failed
+                    else f"capped ({slow[-1]['size'] // 1000}k took > {cap_s:.0f} s)"
+                    if slow
+                    else f"capped (predicted ~{pred:.0f} s)"
+                )
                 rows.append({"measurement": m.name, "graph": m.graph, "size": size, "status": why})
                 continue
             try:
-                with harness.time_limit(cap_s * 2):
-                    rows.append(measure(m, graphs, size, repeats))
+                with harness.time_limit(cap_s * 2), harness.OtherLoad() as load:
+                    row = measure(m, graphs, size, repeats)
+                rows.append({**row, "other_load": load.share})
             except harness.TimeLimit as e:
                 rows.append(
                     {
@@ -246,7 +260,6 @@ def run(
         "background_busy_before": busy,
         "sizes": list(sizes),
         "rows": rows,
-        "what": {f"{m.name} ({m.graph})": m.what for m in MEASUREMENTS},
     }
 
 
@@ -270,7 +283,7 @@ def to_markdown(data: dict[str, Any]) -> str:
             for r in data["rows"]
             if (r["measurement"], r["graph"]) == (m.name, m.graph)
         }
-        row = {"measurement": m.name + ("" if m.ours else " (peer)"), "graph": m.graph}
+        row = {"measurement": m.label, "graph": m.graph}
         for s in sizes:
             row[f"{s // 1000}k nodes: us/node"] = _cell(mine.get(s))
         ok = [mine[s] for s in sizes if s in mine and mine[s]["status"] == "ok"]
@@ -278,16 +291,24 @@ def to_markdown(data: dict[str, Any]) -> str:
             g = ok[-1]["us_per_node"] / ok[0]["us_per_node"]
             row["growth"] = f"{g:.2f}x ({ok[0]['size'] // 1000}k->{ok[-1]['size'] // 1000}k)"
         rows.append(row)
+    loads = [r["other_load"] for r in data["rows"] if r.get("other_load") is not None]
     note = (
-        "us/node = median seconds / nodes in the graph measured; growth = us/node at the "
-        "largest measured size over the smallest (1.0x is linear)."
+        "us/node = median seconds / nodes in the graph measured (cell: us/node (median total "
+        "seconds, info)); growth = us/node at the largest measured size over the smallest "
+        f"(1.0x is linear). Repeats: {data['repeats']}; cap {data['cap_s']:.0f} s."
+        + (
+            f" Other processes used {min(loads):.0%}-{max(loads):.0%} of the CPUs during the"
+            " measurements."
+            if loads
+            else ""
+        )
     )
     return harness.markdown_table(rows, cols) + "\n\n" + note
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one repeat, 20 s cap for peers")
+    ap.add_argument("--quick", action="store_true", help="one repeat, 10 s cap")
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
