@@ -374,8 +374,10 @@ def run(
     only: str | None = None,
     cold_child: bool = True,
     quiet_wait_s: float | None = None,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the model benchmarks; returns the JSON-able record."""
+    """Run the model benchmarks; returns the JSON-able record (also written to ``partial``
+    after every case, so an interrupted full run keeps what it measured)."""
     inductor_cache = tempfile.mkdtemp(prefix="fxpass-bench-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache  # no warm cache from earlier runs
     configure_dynamo()
@@ -399,6 +401,8 @@ def run(
         print(f"[models] {case.label} ...", file=sys.stderr, flush=True)
         wait = quiet_wait_s if quiet_wait_s is not None else (10.0 if quick else 60.0)
         out["cases"].append(run_case(case, timing, cold_child, wait))
+        if partial:
+            harness.write_json(partial, out)
         print(f"[models] {case.label} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return out
 
@@ -420,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _child_main(args.child)
         return
-    data = run(args.quick, args.only, args.cold_child, args.quiet_wait)
     out = Path(args.out)
+    data = run(args.quick, args.only, args.cold_child, args.quiet_wait, out / "models.json")
     harness.write_json(out / "models.json", data)
     md = to_markdown(data)
     (out / "models.md").write_text(md + "\n")

@@ -188,9 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         render(json.loads((out / "latest.json").read_text()), out)
         return
     print("[run] models ...", file=sys.stderr, flush=True)
-    m = models.run(quick=args.quick, quiet_wait_s=args.quiet_wait)
+    # the parts are saved as they finish, so an interrupted run keeps what it measured
+    m = models.run(quick=args.quick, quiet_wait_s=args.quiet_wait, partial=out / "models.json")
     print("[run] scaling ...", file=sys.stderr, flush=True)
-    s = scaling.run(quick=args.quick)
+    s = scaling.run(quick=args.quick, partial=out / "scaling.json")
     data = {"mode": "quick" if args.quick else "full", "models": m, "scaling": s}
     harness.write_json(out / "latest.json", data)
     render(data, out)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 import sys
 import time
@@ -171,20 +172,20 @@ def _predict(prev: list[dict[str, Any]], n: int) -> float | None:
 
 
 def _log_ratio(a: float, b: float) -> float:
-    import math
-
     return math.log(max(a, 1e-12) / max(b, 1e-12))
 
 
 def measure(
-    m: Measurement, graphs: dict[str, GraphModule], size: int, repeats: int
+    m: Measurement, graphs: dict[str, GraphModule], size: int, repeats: int, limit_s: float
 ) -> dict[str, Any]:
-    """Median over ``repeats`` fresh copies; one repeat if a single run takes over 10 s."""
+    """Median over ``repeats`` fresh copies; one repeat if a single run takes over 10 s.
+    Raises ``harness.TimeLimit`` if one run takes longer than ``limit_s``."""
     times, info = [], {}
     for _ in range(repeats):
         gm = fresh(graphs[m.graph])
         gc.collect()  # garbage from the previous measurement is not this one's cost
-        t, info = m.fn(gm)
+        with harness.time_limit(limit_s):
+            t, info = m.fn(gm)
         times.append(t)
         if t > 10:
             break
@@ -205,14 +206,30 @@ def measure(
     }
 
 
+def _status(m: Measurement, size: int, status: str) -> dict[str, Any]:
+    return {"measurement": m.name, "graph": m.graph, "size": size, "status": status}
+
+
 def run(
-    quick: bool = False, sizes: tuple[int, ...] = SIZES, cap_s: float | None = None
+    quick: bool = False,
+    sizes: tuple[int, ...] = SIZES,
+    cap_s: float | None = None,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
-    """All measurements at all sizes; returns the JSON-able record."""
+    """All measurements at all sizes; returns the JSON-able record (also written to
+    ``partial`` after every size)."""
     repeats = 1 if quick else 3
     cap_s = cap_s if cap_s is not None else (10.0 if quick else 60.0)
     rows: list[dict[str, Any]] = []
     busy = harness.wait_for_quiet(max_wait_s=10 if quick else 120)
+    record = {
+        "env": harness.environment(),
+        "mode": "quick" if quick else "full",
+        "repeats": repeats,
+        "cap_s": cap_s,
+        "background_busy_before": busy,
+        "sizes": list(sizes),
+    }
     for size in sizes:
         t0 = time.perf_counter()
         raw = build(size)
@@ -233,34 +250,20 @@ def run(
                     if slow
                     else f"capped (predicted ~{pred:.0f} s)"
                 )
-                rows.append({"measurement": m.name, "graph": m.graph, "size": size, "status": why})
+                rows.append(_status(m, size, why))
                 continue
             try:
-                with harness.time_limit(cap_s * 2), harness.OtherLoad() as load:
-                    row = measure(m, graphs, size, repeats)
+                with harness.OtherLoad() as load:
+                    row = measure(m, graphs, size, repeats, limit_s=2 * cap_s)
                 rows.append({**row, "other_load": load.share})
             except harness.TimeLimit as e:
-                rows.append(
-                    {
-                        "measurement": m.name,
-                        "graph": m.graph,
-                        "size": size,
-                        "status": f"capped ({e})",
-                    }
-                )
+                rows.append(_status(m, size, f"capped ({e})"))
             except Exception as e:  # noqa: BLE001 - a failing peer is a result
-                err = f"error: {type(e).__name__}: {str(e)[:200]}"
-                rows.append({"measurement": m.name, "graph": m.graph, "size": size, "status": err})
+                rows.append(_status(m, size, f"error: {type(e).__name__}: {str(e)[:200]}"))
         print(f"[scaling] {size} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
-    return {
-        "env": harness.environment(),
-        "mode": "quick" if quick else "full",
-        "repeats": repeats,
-        "cap_s": cap_s,
-        "background_busy_before": busy,
-        "sizes": list(sizes),
-        "rows": rows,
-    }
+        if partial:
+            harness.write_json(partial, {**record, "rows": rows})
+    return {**record, "rows": rows}
 
 
 def _cell(r: dict[str, Any] | None) -> str:
@@ -312,8 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
-    data = run(args.quick, tuple(int(s) for s in args.sizes.split(",")))
     out = Path(args.out)
+    data = run(args.quick, tuple(int(s) for s in args.sizes.split(",")), None, out / "scaling.json")
     harness.write_json(out / "scaling.json", data)
     md = to_markdown(data)
     (out / "scaling.md").write_text(md + "\n")
