@@ -79,11 +79,13 @@ def interleave(
 
     Each contender gets ``repeats`` samples, fewer if that would exceed ``budget_s`` (but at
     least ``min_repeats``); calls faster than ``min_sample_s`` are batched into one sample.
-    Before each sample: ``settle_s`` of sleep, then ``rewarm`` untimed calls. Measured here
-    (Qwen3 4x1024, 1 token): an onnxruntime session timed right after another session's run
-    was 1.4-1.7x slower than alone, even after 20 ms and one re-warm call (the other pool's
-    threads still spin); after 200 ms it matched its standalone time. Torch eager right after
-    onnxruntime was ~1.5x slower without the re-warm call.
+    Before each sample the contender runs untimed: at least ``rewarm`` calls and at least
+    ``settle_s`` seconds. Measured here (Qwen3 4x1024, 1 token): an onnxruntime session timed
+    right after another session's run was 1.4-1.7x slower than alone, even after a 20 ms pause
+    and one re-warm call (the other pool's threads still spin); after a 200 ms pause it matched
+    its standalone time. Torch eager right after onnxruntime was ~1.5x slower without a re-warm
+    call. The pause is spent calling the contender rather than sleeping, because under load a
+    sleeping process lost its cores and the next sample paid for it.
     """
     number: dict[str, int] = {}
     todo: dict[str, int] = {}

@@ -189,11 +189,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     print("[run] models ...", file=sys.stderr, flush=True)
     # the parts are saved as they finish, so an interrupted run keeps what it measured
-    m = models.run(quick=args.quick, quiet_wait_s=args.quiet_wait, partial=out / "models.json")
+    partials = [out / "partial-models.json", out / "partial-scaling.json"]
+    m = models.run(quick=args.quick, quiet_wait_s=args.quiet_wait, partial=partials[0])
     print("[run] scaling ...", file=sys.stderr, flush=True)
-    s = scaling.run(quick=args.quick, partial=out / "scaling.json")
+    s = scaling.run(quick=args.quick, partial=partials[1])
     data = {"mode": "quick" if args.quick else "full", "models": m, "scaling": s}
     harness.write_json(out / "latest.json", data)
+    for p in partials:
+        p.unlink(missing_ok=True)
     render(data, out)
 
 
