@@ -37,6 +37,6 @@ __all__ = [
 
 def compile_reports() -> list[Any]:
     """Per-graph reports of every graph a fxpass backend compiled in this process, oldest first."""
-    from backends.bpu.report import REPORTS
+    from .report import COMPILE_REPORTS
 
-    return list(REPORTS)
+    return list(COMPILE_REPORTS)

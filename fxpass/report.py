@@ -6,6 +6,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: Per-graph reports appended by backends when they compile (read via fxpass.compile_reports()).
+#: Kept in the core so the core never imports a backend.
+COMPILE_REPORTS: list[Any] = []
+
 
 @dataclass
 class LedgerEntry:
