@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxpass.report import COMPILE_REPORTS as REPORTS  # shared with fxpass.compile_reports()
+
+__all__ = ["REPORTS", "GraphReport", "RegionReport"]
+
 
 @dataclass
 class RegionReport:
