@@ -44,13 +44,13 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from backends.bpu.demo import main as demo_main
+    from fxpass.backends.bpu.demo import main as demo_main
 
     return demo_main(args)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from backends.bpu.explain import main as explain_main
+    from fxpass.backends.bpu.explain import main as explain_main
 
     return explain_main(args)
 

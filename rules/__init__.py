@@ -6,13 +6,14 @@ rule does not fire.
 
 from __future__ import annotations
 
+from fxpass.rules.alias import alias_removal
+from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
+from fxpass.rules.constant_folding import constant_folding
+from fxpass.rules.safe_softmax import safe_softmax
+from fxpass.rules.scalar_overloads import scalar_overloads
+from fxpass.rules.sdpa import sdpa_decomposition
+
 from fxpass.rule import Rule
-from rules.alias import alias_removal
-from rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
-from rules.constant_folding import constant_folding
-from rules.safe_softmax import safe_softmax
-from rules.scalar_overloads import scalar_overloads
-from rules.sdpa import sdpa_decomposition
 
 ALL = (
     alias_removal,

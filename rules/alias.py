@@ -14,9 +14,10 @@ the memory layout (a later ``view`` may depend on it); a view changes the shape.
 
 from __future__ import annotations
 
+from fxpass.rules._util import aten, prims
+
 from fxpass import rule
 from fxpass.graph import is_view, same_layout, writes
-from rules._util import aten, prims
 
 COPIES = (
     aten.clone.default,

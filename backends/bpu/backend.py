@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fxpass.backends.bpu.cache import ArtifactCache
+from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
+from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
+from fxpass.backends.bpu.cost import macs
+from fxpass.backends.bpu.partition import partition
+from fxpass.backends.bpu.region import extract, splice
+from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
+from fxpass.backends.bpu.runtime import RegionCall
 from torch.fx import Graph, GraphModule
 
-from backends.bpu.cache import ArtifactCache
-from backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
-from backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
-from backends.bpu.cost import macs
-from backends.bpu.partition import partition
-from backends.bpu.region import extract, splice
-from backends.bpu.report import REPORTS, GraphReport, RegionReport
-from backends.bpu.runtime import RegionCall
 from fxpass.capture import aot_backend
 from fxpass.graph import FROZEN, is_static
 from fxpass.passmanager import PassManager

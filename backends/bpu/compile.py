@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
-
-from backends.bpu.cache import ArtifactCache, region_key
-from backends.bpu.lower import lower
-from backends.bpu.region import RegionGraph
-from backends.bpu.runtime import HbmExecutor, OrtExecutor
+from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.backends.bpu.lower import lower
+from fxpass.backends.bpu.region import RegionGraph
+from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
 
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")
 HBDK4_HELP = (

@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fxpass.backends.bpu.cost import macs
 from torch.fx import GraphModule, Node
-
-from backends.bpu.cost import macs
 
 
 @dataclass

@@ -157,7 +157,7 @@ def test_options_are_validated(opts):
 
 
 def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
-    import backends.bpu.compile as comp
+    import fxpass.backends.bpu.compile as comp
 
     def broken(*a, **k):
         raise RuntimeError("injected compile failure")

@@ -38,7 +38,7 @@ def test_hbdnn_executor_calls_hbdk4_in_order_and_runs_on_the_board(opts, monkeyp
 
 
 def test_auto_picks_the_board_only_when_hbdk4_and_runtime_exist(opts, monkeypatch):
-    from backends.bpu.compile import resolve_executor
+    from fxpass.backends.bpu.compile import resolve_executor
 
     assert resolve_executor("auto") == "onnxruntime"
     fake_hbdk4.install(monkeypatch)

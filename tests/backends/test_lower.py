@@ -1,4 +1,4 @@
-"""backends.bpu.lower: every lowering runs in onnxruntime and matches eager PyTorch.
+"""fxpass.backends.bpu.lower: every lowering runs in onnxruntime and matches eager PyTorch.
 
 Expected values always come from eager PyTorch on the same random inputs, never from the code
 under test; the ONNX side runs in a real ``onnxruntime.InferenceSession``.
@@ -18,12 +18,11 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from fxpass.backends.bpu.lower import LOWERINGS, LoweringError, can_lower, lower
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-from backends.bpu.lower import LOWERINGS, LoweringError, can_lower, lower
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -3,8 +3,7 @@
 import warnings
 
 import torch
-
-from backends.bpu.compile import compile_region
+from fxpass.backends.bpu.compile import compile_region
 
 
 def test_an_argument_named_like_buffers_is_data_not_a_weight(opts):
@@ -47,7 +46,7 @@ def test_getitem_of_a_rejected_tuple_stays_with_it(opts):
 
 
 def test_threads_option_reaches_onnxruntime(opts, monkeypatch):
-    import backends.bpu.compile as comp
+    import fxpass.backends.bpu.compile as comp
 
     seen = []
     real = comp.compile_region
@@ -57,7 +56,7 @@ def test_threads_option_reaches_onnxruntime(opts, monkeypatch):
         seen.append(out.executor.session.get_session_options().intra_op_num_threads)
         return out
 
-    monkeypatch.setattr("backends.bpu.backend.compile_region", spy)
+    monkeypatch.setattr("fxpass.backends.bpu.backend.compile_region", spy)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     with torch.no_grad():
         torch.compile(m, backend="fxpass_bpu", options={**opts, "threads": 1, "cache": False})(

@@ -3,15 +3,15 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
-from fxpass import PassManager, RuleError, rule, select_rules
-from rules import (
+from fxpass.rules import (
     alias_removal,
     bf16_cast_cancel,
     bf16_promotion,
     constant_folding,
     scalar_overloads,
 )
+
+from fxpass import PassManager, RuleError, rule, select_rules
 from tests.conftest import trace
 
 aten = torch.ops.aten
@@ -128,7 +128,7 @@ def test_rollback_removes_constants_registered_by_the_failed_rule():
 
 
 def test_uninitialized_memory_is_never_folded():
-    from rules.constant_folding import _foldable
+    from fxpass.rules.constant_folding import _foldable
 
     for op in (
         aten.empty.memory_format,

@@ -5,11 +5,7 @@ import operator
 
 import pytest
 import torch
-from hypothesis import strategies as st
-
-from fxpass import PassManager
-from fxpass.testing import T, aten_graphs, check_rule, traced_graphs
-from rules import (
+from fxpass.rules import (
     alias_removal,
     bf16_cast_cancel,
     bf16_promotion,
@@ -18,7 +14,11 @@ from rules import (
     scalar_overloads,
     sdpa_decomposition,
 )
-from rules._util import CAST
+from fxpass.rules._util import CAST
+from hypothesis import strategies as st
+
+from fxpass import PassManager
+from fxpass.testing import T, aten_graphs, check_rule, traced_graphs
 from tests.conftest import trace
 
 aten = torch.ops.aten
