@@ -75,7 +75,9 @@ def aot_backend(
                 mark_frozen(aot_gm, example_inputs, frozen)
                 return make_boxed_func(fw(aot_gm, list(example_inputs), frozen))
 
-        return aot_autograd(fw_compiler=fw_compiler)(gm, example_inputs)
+        return aot_autograd(fw_compiler=fw_compiler, keep_inference_input_mutations=True)(
+            gm, example_inputs
+        )
 
     return backend
 

@@ -6,14 +6,14 @@ rule does not fire.
 
 from __future__ import annotations
 
+from fxpass.rule import Rule
 from fxpass.rules.alias import alias_removal
 from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
 from fxpass.rules.constant_folding import constant_folding
+from fxpass.rules.kv_cache import kv_cache_update
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
 from fxpass.rules.sdpa import sdpa_decomposition
-
-from fxpass.rule import Rule
 
 ALL = (
     alias_removal,
@@ -21,6 +21,7 @@ ALL = (
     sdpa_decomposition,
     scalar_overloads,
     constant_folding,
+    kv_cache_update,
     bf16_promotion,
     bf16_cast_cancel,
 )

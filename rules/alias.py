@@ -14,10 +14,9 @@ the memory layout (a later ``view`` may depend on it); a view changes the shape.
 
 from __future__ import annotations
 
-from fxpass.rules._util import aten, prims
-
 from fxpass import rule
 from fxpass.graph import is_view, same_layout, writes
+from fxpass.rules._util import aten, prims
 
 COPIES = (
     aten.clone.default,

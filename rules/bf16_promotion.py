@@ -23,10 +23,10 @@ from __future__ import annotations
 import operator
 
 import torch
-from fxpass.rules._util import CAST, aten, cast_to, prims, writes
 from torch.fx.node import map_arg
 
 from fxpass import rule
+from fxpass.rules._util import CAST, aten, cast_to, prims, writes
 
 BF16, F32 = torch.bfloat16, torch.float32
 UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)

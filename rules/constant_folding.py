@@ -21,11 +21,11 @@ from functools import cache
 from typing import Any
 
 import torch
-from fxpass.rules._util import aten, writes
 from torch.fx.node import map_arg
 
 from fxpass import graph_rule
 from fxpass.graph import FROZEN, constant_value, is_static
+from fxpass.rules._util import aten, writes
 
 MAX_GROWTH = float(os.environ.get("FXPASS_FOLD_MAX_GROWTH", 64))
 MIN_BYTES = int(os.environ.get("FXPASS_FOLD_MIN_BYTES", 4 << 20))

@@ -12,10 +12,10 @@ Does not fire: never refuses; every input it accepts is decomposable.
 
 from __future__ import annotations
 
-from fxpass.rules._util import aten
 from torch._decomp import decomposition_table
 
 from fxpass import rule
+from fxpass.rules._util import aten
 
 _DECOMP = {aten._safe_softmax.default: decomposition_table[aten._safe_softmax.default]}
 

@@ -22,9 +22,9 @@ unchanged. Does not fire when the 0-dim operand is not a constant, or is a graph
 from __future__ import annotations
 
 import torch
-from fxpass.rules._util import CAST, aten, cast_to, prims
 
 from fxpass import rule
+from fxpass.rules._util import CAST, aten, cast_to, prims
 
 _TO_TENSOR = {
     aten.add.Scalar: aten.add.Tensor,

@@ -24,10 +24,10 @@ import operator
 from typing import Any
 
 import torch
-from fxpass.rules._util import aten
 
 from fxpass import rule
 from fxpass.graph import bind_args, same_layout
+from fxpass.rules._util import aten
 
 
 def _op(name: str) -> Any:

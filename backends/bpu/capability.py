@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fxpass.backends.bpu.lower import _CHECKS, _TUPLE_OUTPUTS, LOWERINGS, can_lower
 from torch.fx import Node
 
+from fxpass.backends.bpu.lower import _CHECKS, _TUPLE_OUTPUTS, LOWERINGS, can_lower
 from fxpass.graph import is_static
 
 aten, prims = torch.ops.aten, torch.ops.prims

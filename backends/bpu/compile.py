@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
+
 from fxpass.backends.bpu.cache import ArtifactCache, region_key
 from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.region import RegionGraph

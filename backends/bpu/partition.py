@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxpass.backends.bpu.cost import macs
 from torch.fx import GraphModule, Node
+
+from fxpass.backends.bpu.cost import macs
 
 
 @dataclass

@@ -15,9 +15,9 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from fxpass.backends.bpu.partition import Region
 from torch.fx import Graph, GraphModule, Node
 
+from fxpass.backends.bpu.partition import Region
 from fxpass.graph import FROZEN, constant_value
 
 

@@ -109,8 +109,9 @@ def check_rule(
 
     For each graph: run it on random real inputs; run a checked PassManager with ``rule`` (and
     ``with_rules``) to fixpoint (lint, contract checks, termination via the budget); compare
-    outputs with the per-dtype tolerance; check every node's ``meta['val']`` against the real
-    values; run the rule again and require that it changes nothing (idempotence). With
+    outputs, and the inputs the graph writes to, with the per-dtype tolerance; check every
+    node's ``meta['val']`` against the real values; run the rule again and require that it
+    changes nothing (idempotence). With
     ``must_fire``, the rule must have fired on at least one graph, so the test cannot pass
     vacuously. Hypothesis shrinks a failing graph to a minimal one.
     """
@@ -133,12 +134,20 @@ def check_rule(
     def prop(gm: GraphModule, seed: int) -> None:
         inputs = random_inputs(gm, seed)
         before = copy.deepcopy(gm)
-        expected = before(*inputs)
+        # each run gets its own copy of the inputs: a graph that writes to an input (a KV
+        # cache, say) must leave the same values behind before and after the rule
+        ins_before, ins_after = [t.clone() for t in inputs], [t.clone() for t in inputs]
+        expected = before(*ins_before)
         report = PassManager(rules, check=True).run(gm)
         fired[0] += report.rewrites.get(rule.name, 0)
         gm.graph.lint()
-        check_meta(gm, inputs)
-        assert_outputs_close(expected, gm(*inputs), tolerance)
+        check_meta(gm, [t.clone() for t in inputs])
+        assert_outputs_close(expected, gm(*ins_after), tolerance)
+        try:
+            assert_outputs_close(ins_before, ins_after, tolerance)
+        except AssertionError as e:
+            msg = f"the rule changed what the graph writes to its inputs: {e}"
+            raise AssertionError(msg) from e
         again = PassManager([rule], check=True).run(gm)
         assert again.total_rewrites == 0, (
             f"rule {rule.name!r} is not idempotent: fired {again.total_rewrites}x on its own output"

@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 import torch
-from fxpass.backends.bpu.cache import ArtifactCache, region_key
 
 import fxpass
+from fxpass.backends.bpu.cache import ArtifactCache, region_key
 from tests.conftest import trace
 
 SCRIPT = textwrap.dedent(

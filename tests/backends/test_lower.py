@@ -18,11 +18,12 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from fxpass.backends.bpu.lower import LOWERINGS, LoweringError, can_lower, lower
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fxpass.backends.bpu.lower import LOWERINGS, LoweringError, can_lower, lower
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -1,12 +1,12 @@
 """Partitioner: convex, acyclic after contraction, maximal-ish, and MACs counted right."""
 
 import torch
-from fxpass.backends.bpu.cost import macs
-from fxpass.backends.bpu.partition import is_convex, partition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule
 
+from fxpass.backends.bpu.cost import macs
+from fxpass.backends.bpu.partition import is_convex, partition
 from tests.conftest import trace
 
 aten = torch.ops.aten

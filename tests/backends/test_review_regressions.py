@@ -3,6 +3,7 @@
 import warnings
 
 import torch
+
 from fxpass.backends.bpu.compile import compile_region
 
 

@@ -68,8 +68,18 @@ def test_wheel_installs_only_the_fxpass_package(tmp_path: Path) -> None:
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / part, src / part)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         str(src), "-w", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp_path),
+        ],
         check=True,
         capture_output=True,
         timeout=300,

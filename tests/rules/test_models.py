@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from fxpass.rules._util import CAST
 
 from fxpass import PassManager, select_rules, zoo
 from fxpass.capture import capture
+from fxpass.rules._util import CAST
 
 aten = torch.ops.aten
 FORBIDDEN = {aten.alias.default, aten._safe_softmax.default}

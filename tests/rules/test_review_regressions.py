@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
+from fxpass import PassManager, RuleError, rule, select_rules
 from fxpass.rules import (
     alias_removal,
     bf16_cast_cancel,
@@ -10,8 +12,6 @@ from fxpass.rules import (
     constant_folding,
     scalar_overloads,
 )
-
-from fxpass import PassManager, RuleError, rule, select_rules
 from tests.conftest import trace
 
 aten = torch.ops.aten

@@ -5,6 +5,9 @@ import operator
 
 import pytest
 import torch
+from hypothesis import strategies as st
+
+from fxpass import PassManager
 from fxpass.rules import (
     alias_removal,
     bf16_cast_cancel,
@@ -15,9 +18,6 @@ from fxpass.rules import (
     sdpa_decomposition,
 )
 from fxpass.rules._util import CAST
-from hypothesis import strategies as st
-
-from fxpass import PassManager
 from fxpass.testing import T, aten_graphs, check_rule, traced_graphs
 from tests.conftest import trace
 
