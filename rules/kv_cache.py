@@ -17,9 +17,10 @@ After::
 Why: ``index_copy`` is in no accelerator's operator table, so every layer's cache write split
 the device region (a 4-layer decoder became 5 regions). ``where``, ``eq``, ``any`` and
 ``matmul`` are standard; the mask depends only on positions, so it is computed beside the
-embedding and enters the region as an input. The write-back touches L slots instead of
-copying S (AOTAutograd's epilogue copied the whole cache). An out-of-range position still
-raises, from the ``index_copy_``, exactly as eager's ``index_copy_`` does.
+embedding and enters the region as an input. The mask reads the positions through
+``index_select``, so a position outside the cache raises as eager's ``index_copy`` does, also
+when there is no write-back (a cache created inside the graph). The write-back touches L
+slots instead of copying S (AOTAutograd's epilogue copied the whole cache).
 
 Exactness: L == 1 selects values; L > 1 multiplies by a 0/1 matrix, which is exact for finite
 values (``x * 1 + 0 * y``); a NaN or inf *in the new keys/values* would spread to the other
@@ -47,7 +48,10 @@ def _out_of_place(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, dim
     size = cache.shape[dim]
     shape = [1] * cache.dim()
     shape[dim] = size
-    hit = torch.arange(size, dtype=pos.dtype, device=pos.device).unsqueeze(-1) == pos  # [S, L]
+    slots = torch.arange(size, dtype=pos.dtype, device=pos.device)
+    # index_select raises on a position outside the cache, as eager's index_copy does: a
+    # prompt longer than the cache is an error, never silently dropped keys
+    hit = slots.unsqueeze(-1) == slots.index_select(0, pos)  # [S, L]
     if new.shape[dim] == 1:
         return torch.where(hit.view(shape), new, cache)
     spread = torch.matmul(hit.to(new.dtype), new.movedim(dim, -2)).movedim(-2, dim)

@@ -24,6 +24,7 @@ from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
 from fxpass.backends.bpu.cost import macs
+from fxpass.backends.bpu.generation import warn_if_growing
 from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
@@ -52,6 +53,7 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "disable": ((list, tuple), "rule names to disable"),
     "check": (bool, "run rule contract checks while compiling"),
     "threads": ((int, type(None)), "onnxruntime intra-op threads"),
+    "host_fusions": (bool, "onnxscript's onnxruntime fusions on host regions (default True)"),
     "freeze_weights": (
         bool,
         "bake weights into artifacts, guarded (default True); False "
@@ -94,6 +96,7 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     opts.setdefault("cache", True)
     opts.setdefault("check", False)
     opts.setdefault("freeze_weights", True)
+    opts.setdefault("host_fusions", True)
     select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
     return opts
 
@@ -205,6 +208,9 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         )
         report.notes.append(note)
         warnings.warn(f"fxpass_bpu: {note}", stacklevel=2)
+    growing = warn_if_growing(gm)
+    if growing:
+        report.notes.append(growing)
     rules = select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
     rr = PassManager(rules, check=opts["check"]).run(gm, recompile=False)
     report.rules, report.rewrites = rr, dict(rr.rewrites)
@@ -229,7 +235,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
                 march=m.name,
                 executor=kind,
                 cache=cache,
-                options={k: opts.get(k) for k in ("enable", "disable")},
+                options={k: opts.get(k) for k in ("enable", "disable", "host_fusions")},
                 threads=opts.get("threads"),
             )
             inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
@@ -249,7 +255,14 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         spliced.append((rg, call))
         report.regions.append(
             RegionReport(
-                name, len(r.nodes), r.macs, len(rg.inputs), len(rg.outputs), kind, c.cached
+                name,
+                len(r.nodes),
+                r.macs,
+                len(rg.inputs),
+                len(rg.outputs),
+                kind,
+                c.cached,
+                fusions=c.fusions,
             )
         )
         report.offloaded_call_nodes += sum(1 for n in r.nodes if n.target is not getitem)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 
 
 def default_dir() -> Path:
@@ -44,6 +44,10 @@ def tool_versions() -> dict[str, str]:
         "onnxruntime": onnxruntime.__version__,
         "cache": CACHE_VERSION,
     }
+    with contextlib.suppress(ImportError):  # the host fusions' version shapes the artifact
+        import onnxscript
+
+        v["onnxscript"] = onnxscript.__version__
     try:
         import hbdk4.compiler as hb  # noqa: F401
 

@@ -10,14 +10,16 @@ import, else the host (onnxruntime); ``hbdnn`` and ``onnxruntime`` force one.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
 
 from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.backends.bpu.host import fuse_for_ort
 from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.region import RegionGraph
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
@@ -61,6 +63,7 @@ class Compiled:
     key: str
     cached: bool
     onnx_bytes: int
+    fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
 
 
 def compile_region(
@@ -77,7 +80,8 @@ def compile_region(
     key = region_key(rg.gm, march=march, executor=kind, options=options)
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
     if kind == "onnxruntime":
-        return _compile_ort(rg, name, key, input_names, cache, threads)
+        fuse = options.get("host_fusions", True)
+        return _compile_ort(rg, name, key, input_names, cache, threads, fuse)
     return _compile_hbm(rg, name, key, input_names, march, cache)
 
 
@@ -88,23 +92,30 @@ def _compile_ort(
     input_names: list[str],
     cache: ArtifactCache | None,
     threads: int | None = None,
+    fuse: bool = True,
 ) -> Compiled:
     if cache is not None:
         data = cache.get(key, ".ort.onnx")
-        if data is not None:
+        info = cache.get(key, ".fusions.json")
+        if data is not None and info is not None:
             ex = OrtExecutor(data, input_names, threads=threads, preoptimized=True)
-            return Compiled(ex, key, True, len(data))
+            return Compiled(ex, key, True, len(data), json.loads(info))
     proto = lower(rg.gm, name=name)
+    fusions: dict[str, int] = {}
+    if fuse:
+        proto, fusions = fuse_for_ort(proto)
     data = proto.SerializeToString()
     if cache is None:
-        return Compiled(OrtExecutor(data, input_names, threads=threads), key, False, len(data))
+        ex = OrtExecutor(data, input_names, threads=threads)
+        return Compiled(ex, key, False, len(data), fusions)
     # Let onnxruntime write its optimized model once; later processes load it unoptimized.
     with tempfile.TemporaryDirectory() as tmp:
         opt = os.path.join(tmp, "opt.onnx")
         ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)
         with open(opt, "rb") as f:
             cache.put(key, ".ort.onnx", f.read())
-    return Compiled(ex, key, False, len(data))
+    cache.put(key, ".fusions.json", json.dumps(fusions).encode())
+    return Compiled(ex, key, False, len(data), fusions)
 
 
 def _compile_hbm(

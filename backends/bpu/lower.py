@@ -377,8 +377,12 @@ def _reduce(op_type: str) -> Emitter:
         x = a["self"]
         dt = _dtype(n)
         ct = _widen(dt)  # also honours mean/sum's dtype= by reducing in the result dtype
-        axes = b.ints(_axes(a.get("dim"), len(_shape(x))))
-        red = b.op(op_type, b.t(x, ct), axes, keepdims=int(bool(a.get("keepdim"))))
+        rank = len(_shape(x))
+        axes = _axes(a.get("dim"), rank)
+        if axes == [rank - 1]:  # the spelling onnxscript's norm fusions match
+            axes = [-1]
+        keep = int(bool(a.get("keepdim")))
+        red = b.op(op_type, b.t(x, ct), b.ints(axes), keepdims=keep, noop_with_empty_axes=0)
         return b.cast(red, ct, dt)
 
     return emit

@@ -20,6 +20,7 @@ class RegionReport:
     executor: str
     cached: bool
     fallback: str | None = None
+    fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
 
 
 @dataclass
@@ -64,6 +65,9 @@ class GraphReport:
                 f" {r.outputs} out, {r.executor}{' (cached)' if r.cached else ''}"
                 f"{' FALLBACK: ' + r.fallback if r.fallback else ''}"
             )
+            if r.fusions:
+                fused = ", ".join(f"{k} x{v}" for k, v in sorted(r.fusions.items()))
+                lines.append(f"    host fusions: {fused}")
         for why, k in sorted(self.cpu_reasons.items(), key=lambda kv: -kv[1]):
             lines.append(f"  on CPU x{k}: {why}")
         for d in self.dropped:

@@ -37,6 +37,9 @@ class OrtExecutor:
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
+        import os
+        if os.environ.get("FXPASS_ORT_SPIN") == "0":
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if preoptimized:  # already optimized offline (cached): skip the optimizer
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         else:

@@ -1,0 +1,158 @@
+"""generate() through fxpass_bpu: static cache, two graphs, one region each, eager's tokens.
+
+Greedy fp32 tokens must be identical to eager's. Graph and region counts come from
+``fxpass.compile_reports()``. Models are real transformers classes from small configs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxpass
+from fxpass import zoo
+from fxpass.backends.bpu import compile_for_generate
+from fxpass.backends.bpu.generation import GrowingCacheWarning
+
+DECODERS = ["qwen3", "llama", "mistral", "gpt2"]
+
+
+def _model(name: str):
+    model, kw = zoo.get(name, layers=2, tokens=8)
+    return model, kw["input_ids"]
+
+
+def _generate(model, ids, n=6, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def _new_reports(before):
+    return fxpass.compile_reports()[before:]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_static_cache_generate_is_two_graphs_of_one_region(name, opts):
+    model, ids = _model(name)
+    expected = _generate(model, ids, cache_implementation="static")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    got = _generate(model, ids)
+    again = _generate(model, ids, n=10)  # another length under the same ceiling: no recompile
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(again[:, : got.shape[1]], got, rtol=0, atol=0)
+    reports = _new_reports(before)
+    assert len(reports) == 2, [r.summary() for r in reports]
+    for r in reports:
+        assert len(r.regions) == 1, str(r)
+        assert r.regions[0].fallback is None, str(r)
+        assert r.mac_share == 1.0, str(r)
+        assert r.rewrites.get("kv_cache_update", 0) == 2 * 2, r.rewrites  # K and V per layer
+        # only the embedding and integer index arithmetic stay on the CPU (plus rotary cos/sin,
+        # which the BPU table lacks, and the cache writes themselves)
+        allowed = ("embedding", "int64", "eq.Tensor", "index_select", "copy_", "cos", "sin")
+        odd = [why for why in r.cpu_reasons if not any(a in why for a in allowed)]
+        assert not odd, odd
+
+
+def test_decode_step_writes_the_cache_in_place_and_copies_no_cache(opts):
+    model, ids = _model("qwen3")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    _generate(model, ids)
+    decode = _new_reports(before)[1]
+    (region,) = decode.regions
+    # the region's outputs are the logits and the new K/V slots, never a whole cache
+    assert region.outputs == 1 + 2 * 2, str(decode)
+    assert "aten.index_copy_.default is not in the nash-p operator table" in decode.cpu_reasons
+
+
+def test_host_fusions_fire_and_keep_eager_tokens(opts):
+    model, ids = _model("qwen3")
+    expected = _generate(model, ids, cache_implementation="static")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    assert torch.equal(_generate(model, ids), expected)
+    for r in _new_reports(before):
+        fused = r.regions[0].fusions
+        # 2 layers: input norm, q/k norms, post-attention norm, final norm; residuals fold in
+        assert fused.get("rms_normalization", 0) >= 5, fused
+        assert fused.get("skip_rms_normalization", 0) >= 2, fused
+        assert "host fusions: " in str(r)
+
+
+def test_host_fusions_can_be_switched_off(opts):
+    model, ids = _model("qwen3")
+    expected = _generate(model, ids, cache_implementation="static")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=32, options={**opts, "host_fusions": False})
+    assert torch.equal(_generate(model, ids), expected)
+    assert all(not r.regions[0].fusions for r in _new_reports(before))
+
+
+def test_dynamic_cache_warns_once_and_names_the_fix(opts):
+    model, ids = _model("qwen3")
+    expected = _generate(model, ids, n=4)
+    model.forward = torch.compile(model.forward, backend="fxpass_bpu", dynamic=False, options=opts)
+    import fxpass.backends.bpu.generation as gen
+
+    gen._warned = False
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = _generate(model, ids, n=4)
+    assert torch.equal(got, expected)
+    growing = [x for x in w if issubclass(x.category, GrowingCacheWarning)]
+    assert len(growing) == 1, [str(x.message) for x in w]
+    assert 'cache_implementation="static"' in str(growing[0].message)
+    assert "compile_for_generate" in str(growing[0].message)
+
+
+def test_sampling_with_a_seed_matches_eager(opts):
+    model, ids = _model("llama")
+    with torch.no_grad():
+        torch.manual_seed(1)
+        expected = model.generate(
+            ids, max_new_tokens=6, do_sample=True, top_k=0, cache_implementation="static"
+        )
+        compile_for_generate(model, max_cache_len=32, options=opts)
+        torch.manual_seed(1)
+        got = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=0)
+    assert torch.equal(got, expected)
+
+
+def test_batch_size_change_recompiles_and_matches(opts):
+    model, ids = _model("qwen3")
+    ids2 = torch.cat([ids, ids.flip(-1)])
+    expected1 = _generate(model, ids, cache_implementation="static")
+    expected2 = _generate(model, ids2, cache_implementation="static")
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    assert torch.equal(_generate(model, ids), expected1)
+    assert torch.equal(_generate(model, ids2), expected2)
+    assert torch.equal(_generate(model, ids), expected1)
+
+
+def test_cache_overflow_raises_like_eager(opts):
+    from transformers import StaticCache
+
+    model, ids = _model("qwen3")
+
+    def overflow(m):
+        cache = StaticCache(config=m.config, max_cache_len=4)  # shorter than the 8-token prompt
+        with torch.no_grad():
+            return m(ids, past_key_values=cache, use_cache=True)
+
+    with pytest.raises((IndexError, RuntimeError)) as eager_err:
+        overflow(model)
+    model.forward = torch.compile(model.forward, backend="fxpass_bpu", dynamic=False, options=opts)
+    with pytest.raises((IndexError, RuntimeError)) as ours:
+        overflow(model)
+    assert "index" in str(ours.value).lower(), (str(eager_err.value), str(ours.value))
+
+
+def test_compile_for_generate_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_cache_len"):
+        compile_for_generate(torch.nn.Linear(2, 2), max_cache_len=0)
+    with pytest.raises(TypeError, match="generation_config"):
+        compile_for_generate(torch.nn.Linear(2, 2), max_cache_len=8)
