@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hidden", type=int, default=512)
     d.add_argument("--tokens", type=int, default=32)
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    d.add_argument(
+        "--generate", action="store_true", help="greedy generate() with a static cache instead"
+    )
     e = sub.add_parser("explain", help="show rewrites, regions and CPU-left nodes for a model")
     e.add_argument("model", help="built-in name (e.g. qwen3-tiny) or path/to/file.py:factory")
     e.add_argument("--march", default="nash-p")

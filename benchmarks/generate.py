@@ -1,0 +1,232 @@
+"""Generation benchmark: ``generate()`` through eager, inductor, fxpass_bpu and ONNX Runtime GenAI.
+
+``python -m benchmarks.generate [--quick] [--models qwen3-4x512,...]``
+
+Per model (random weights, greedy, fp32, a 32-token prompt), every contender produces the same
+tokens from the same weights:
+
+- ``eager`` (HF's default dynamic cache) and ``eager-static`` (``cache_implementation="static"``);
+- ``inductor`` and ``fxpass_bpu``: ``model.forward`` compiled with ``dynamic=False`` and a
+  static cache of fixed length (prompt + the longest run), so every call reuses two graphs;
+- ``genai``: ``onnxruntime-genai``; the model is saved with ``save_pretrained`` to a temporary
+  folder, built by ``onnxruntime_genai.models.builder`` (fp32, cpu) and run with its
+  ``Generator`` from the same token ids.
+
+Measured side by side (``harness.interleave``: round-robin samples, medians): a generate of 1
+new token (the prefill) and of 1+N new tokens; decode ms/token = (t(1+N) - t(1)) / N. Also the
+first ``generate()`` (compilation included), Dynamo graphs and regions per graph (from
+``fxpass.compile_reports()``), and whether the tokens equal eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = 32
+MODELS = {
+    "qwen3-4x512": ("qwen3", dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000)),
+    "llama-4x512": ("llama", dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000)),
+    "qwen3-4x1024": ("qwen3", dict(layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000)),
+}
+
+
+def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    from fxpass import zoo
+
+    family, kw = MODELS[name]
+    model, inputs = zoo.get(family, tokens=PROMPT, **kw)
+    return model, inputs["input_ids"]
+
+
+def _hf_generate(model: Any, ids: torch.Tensor, **kw: Any) -> Callable[[int], torch.Tensor]:
+    def run(n: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw
+            )
+
+    return run
+
+
+def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], Any], Any]:
+    model, ids = _build(name)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.max_cache_len = max_len
+    opts = {"options": {}} if backend == "fxpass_bpu" else {}
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=False, **opts)
+    return _hf_generate(model, ids), model
+
+
+class GenAI:
+    """ONNX Runtime GenAI on the same weights: builder (fp32, cpu) + Generator."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, max_len: int):
+        import onnxruntime_genai as og
+
+        self.tmp = tempfile.TemporaryDirectory()
+        src, out = Path(self.tmp.name) / "hf", Path(self.tmp.name) / "ort"
+        model.save_pretrained(src)
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
+               "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(Path(self.tmp.name) / "c")]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+        self.og, self.model = og, og.Model(str(out))
+        self.ids, self.max_len = ids[0].tolist(), max_len
+
+    def __call__(self, n: int) -> torch.Tensor:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        total = len(self.ids) + n
+        params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(self.ids)
+        while not gen.is_done():
+            gen.generate_next_token()
+        return torch.tensor([list(gen.get_sequence(0))])
+
+
+def run_model(name: str, new_tokens: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    import fxpass
+
+    max_len = PROMPT + max(new_tokens) + 1
+    eager_model, ids = _build(name)
+    makers: dict[str, Callable[[], tuple[Callable[[int], Any], Any]]] = {
+        "eager": lambda: (_hf_generate(eager_model, ids), None),
+        "eager-static": lambda: (
+            _hf_generate(eager_model, ids, cache_implementation="static"), None
+        ),
+        "inductor": lambda: _compiled(name, "inductor", max_len),
+        "fxpass_bpu": lambda: _compiled(name, "fxpass_bpu", max_len),
+        "genai": lambda: (GenAI(eager_model, ids, max_len), None),
+    }
+    reference = {n: _hf_generate(eager_model, ids)(n) for n in new_tokens}
+    results: dict[str, dict[str, Any]] = {}
+    runners: dict[str, Callable[[int], Any]] = {}
+    for contender, make in makers.items():
+        r: dict[str, Any] = {"contender": contender}
+        results[contender] = r
+        try:
+            before = len(fxpass.compile_reports())
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            fn, _ = make()
+            with contextlib.redirect_stderr(io.StringIO()):
+                out = fn(new_tokens[0])
+            r["first_generate_s"] = time.perf_counter() - t0
+            r["tokens_match"] = all(torch.equal(fn(n), reference[n]) for n in new_tokens)
+            reports = fxpass.compile_reports()[before:]
+            if contender == "fxpass_bpu":
+                r["graphs"] = len(reports)
+                r["regions_per_graph"] = [len(x.regions) for x in reports]
+                r["fusions"] = reports[-1].regions[0].fusions if reports[-1].regions else {}
+            del out
+            runners[contender] = fn
+        except Exception as e:  # noqa: BLE001 - a failing contender is reported, not fatal
+            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            r["traceback"] = traceback.format_exc()[-3000:]
+    lengths = (1, *(n + 1 for n in new_tokens))
+    for length in lengths:
+        stats = harness.interleave(
+            {c: (lambda f=f, length=length: f(length)) for c, f in runners.items()},
+            warmup=1, repeats=repeats, budget_s=20.0, min_repeats=3, settle_s=0.1,
+        )
+        for c, s in stats.items():
+            results[c].setdefault("generate_s", {})[length] = s.to_dict()
+    for r in results.values():
+        g = r.get("generate_s")
+        if not g:
+            continue
+        prefill = g[1]["median"]
+        r["prefill_ms"] = prefill * 1e3
+        r["decode_ms_per_token"] = {
+            n: (g[n + 1]["median"] - prefill) / n * 1e3 for n in new_tokens
+        }
+    return {"model": name, "prompt": PROMPT, "new_tokens": list(new_tokens),
+            "results": list(results.values())}
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    cols = ["model", "contender", "prefill ms", *[f"decode ms/tok @{n}" for n in
+            data["runs"][0]["new_tokens"]], "vs eager", "vs genai", "first generate s",
+            "graphs", "regions/graph", "tokens = eager"]
+    rows = []
+    for run in data["runs"]:
+        by = {r["contender"]: r for r in run["results"]}
+        last = run["new_tokens"][-1]
+
+        def dec(c: str, by=by, last=last) -> float | None:
+            return (by.get(c, {}).get("decode_ms_per_token") or {}).get(last)
+
+        for r in run["results"]:
+            d = r.get("decode_ms_per_token") or {}
+            row = {"model": run["model"], "contender": r["contender"]}
+            if "error" in r:
+                row["prefill ms"] = "failed: " + r["error"]
+                rows.append(row)
+                continue
+            row["prefill ms"] = f"{r['prefill_ms']:.1f}"
+            for n in run["new_tokens"]:
+                row[f"decode ms/tok @{n}"] = f"{d[n]:.2f}"
+            for col, ref in (("vs eager", "eager"), ("vs genai", "genai")):
+                a, b = dec(r["contender"]), dec(ref)
+                row[col] = f"{a / b:.2f}x" if a and b else ""
+            row["first generate s"] = f"{r['first_generate_s']:.1f}"
+            row["graphs"] = r.get("graphs", "")
+            row["regions/graph"] = r.get("regions_per_graph", "")
+            row["tokens = eager"] = "yes" if r.get("tokens_match") else "NO"
+            rows.append(row)
+    return harness.markdown_table(rows, cols)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="qwen3-4x512 only, 32 new tokens")
+    ap.add_argument("--models", default=None, help=f"comma-separated subset of {list(MODELS)}")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    names = args.models.split(",") if args.models else (
+        ["qwen3-4x512"] if args.quick else list(MODELS)
+    )
+    new_tokens = (32,) if args.quick else (32, 128)
+    data: dict[str, Any] = {"env": harness.environment(), "runs": []}
+    out = Path(args.out)
+    for name in names:
+        print(f"[generate] {name} ...", file=sys.stderr, flush=True)
+        data["runs"].append(run_model(name, new_tokens, args.repeats))
+        harness.write_json(out / "generate.json", data)  # partial results survive a crash
+    md = to_markdown(data)
+    (out / "generate.md").write_text(md + "\n")
+    _plot(data, out / "generate.png")
+    print(md)
+
+
+def _plot(data: dict[str, Any], path: Path) -> None:
+    cases, ratios = [], {}
+    for run in data["runs"]:
+        by = {r["contender"]: r for r in run["results"]}
+        last = run["new_tokens"][-1]
+        base = (by.get("eager", {}).get("decode_ms_per_token") or {}).get(last)
+        cases.append(f"{run['model']} decode @{last}")
+        for c in ("eager-static", "inductor", "fxpass_bpu", "genai"):
+            v = (by.get(c, {}).get("decode_ms_per_token") or {}).get(last)
+            ratios.setdefault(c, []).append(v / base if v and base else None)
+    harness.ratio_chart(cases, ratios, path, title="decode ms/token / eager's (median)")
+
+
+if __name__ == "__main__":
+    main()
