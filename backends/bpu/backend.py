@@ -9,6 +9,7 @@ is needed. Options arrive as ``torch.compile(..., options={...})``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections import Counter
@@ -41,6 +42,15 @@ log = logging.getLogger("fxpass.bpu")
 #: onnxruntime call and 113 GMAC/s on this 2-core machine: break-even ~0.5M MACs.
 DEFAULT_MIN_MACS = {"hbdnn": 100_000_000, "onnxruntime": 500_000}
 MAX_REBUILDS = 2
+#: fxpass.compile_reports() keeps the most recent reports only (each holds a rewrite ledger).
+MAX_REPORTS = 256
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"fxpass_bpu: {msg}", stacklevel=3)
 
 OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "march": (str, f"target march, one of {sorted(MARCHES)} (default {DEFAULT_MARCH})"),
@@ -90,6 +100,12 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     ex = opts.setdefault("executor", "auto")
     if ex not in EXECUTORS:
         raise TypeError(f"fxpass_bpu option 'executor' must be one of {EXECUTORS}, got {ex!r}")
+    th = opts.get("threads")
+    if th is not None and not 1 <= th <= (os.cpu_count() or 1):
+        raise TypeError(
+            f"fxpass_bpu option 'threads' must be between 1 and this machine's "
+            f"{os.cpu_count()} CPUs, got {th}; leave it unset to let onnxruntime choose"
+        )
     if opts.get("min_compute_macs") is not None and opts["min_compute_macs"] < 0:
         raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
     opts.setdefault("strict", False)
@@ -152,7 +168,17 @@ class GuardedGraph:
         for k, p in enumerate(gm.graph.find_nodes(op="placeholder")):
             t = p.meta.get(FROZEN)
             if t is not None:
-                snap.append((k, t.data_ptr(), t._version, tuple(t.shape), t.dtype))
+                # inference-mode tensors have no version counter: pointer, shape, dtype only
+                ver = None if t.is_inference() else t._version
+                snap.append((k, t.data_ptr(), ver, tuple(t.shape), t.dtype))
+        if any(v is None for _, _, v, _, _ in snap):
+            _warn_once(
+                "inference",
+                "weights created under torch.inference_mode() have no version counter, so "
+                "in-place writes to them after compile cannot be detected; create the model "
+                "outside inference_mode (torch.no_grad() is enough), or compile with "
+                "options={'freeze_weights': False}",
+            )
         return snap
 
     def _build(self, gm: GraphModule) -> Callable:
@@ -166,7 +192,12 @@ class GuardedGraph:
             return self.pristine(*args)
         for k, ptr, ver, shape, dtype in self.guard:
             t = args[k]
-            if t.data_ptr() != ptr or t._version != ver or t.shape != shape or t.dtype != dtype:
+            if (
+                t.data_ptr() != ptr
+                or (ver is not None and t._version != ver)
+                or t.shape != shape
+                or t.dtype != dtype
+            ):
                 return self._weights_changed(k, args)
         return self.run(*args)
 
@@ -272,5 +303,6 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     out.recompile()
     report.compile_seconds = time.perf_counter() - t0
     REPORTS.append(report)
+    del REPORTS[:-MAX_REPORTS]  # a server compiling many graphs must not grow without bound
     log.info(report.summary())
     return out, report

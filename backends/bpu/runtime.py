@@ -9,6 +9,7 @@ to the region's own eager graph with a warning if the executor fails (or raises 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -37,9 +38,6 @@ class OrtExecutor:
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
-        import os
-        if os.environ.get("FXPASS_ORT_SPIN") == "0":
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if preoptimized:  # already optimized offline (cached): skip the optimizer
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         else:
@@ -53,7 +51,7 @@ class OrtExecutor:
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
         outs = self.session.run(self.output_names, feeds)
-        return tuple(torch.from_numpy(np.ascontiguousarray(o)) for o in outs)
+        return tuple(_tensor(o) for o in outs)
 
 
 class HbmExecutor:
@@ -75,15 +73,23 @@ class HbmExecutor:
         feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
         outs = self.rt.run(feeds, model_name=self.model)[self.model]
         return tuple(
-            torch.from_numpy(np.ascontiguousarray(outs[k]))
+            _tensor(outs[k])
             for k in sorted(outs, key=lambda s: int(s[3:]) if s[3:].isdigit() else 0)
         )
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    if t.requires_grad:
-        t = t.detach()
-    return np.ascontiguousarray(t.numpy())
+    """A zero-copy numpy view when the tensor is contiguous (a cache buffer, say).
+
+    Not ``np.ascontiguousarray`` unconditionally: it turns a 0-dim array into shape ``(1,)``.
+    """
+    a = (t.detach() if t.requires_grad else t).numpy()
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A zero-copy tensor of an executor's output, keeping its exact shape (0-dim stays 0-dim)."""
+    return torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
 
 
 class RegionCall(torch.nn.Module):
@@ -102,6 +108,9 @@ class RegionCall(torch.nn.Module):
         self.executor = executor
         self.eager = eager
         self.expected = [(tuple(v.shape), v.dtype) for v in expected]
+        (out,) = eager.graph.find_nodes(op="output")
+        vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in out.args[0]]
+        self.out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
         self.strict = strict
         self.failed: str | None = None if executor is not None else "not compiled"
 
@@ -115,9 +124,21 @@ class RegionCall(torch.nn.Module):
                         tensors,
                     )
             try:
-                return self.executor(*tensors)
+                outs = self.executor(*tensors)
             except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
                 return self._fallback(f"{type(e).__name__}: {e}", tensors)
+            for o, shape in zip(outs, self.out_shapes, strict=True):
+                if shape is not None and tuple(o.shape) != shape:
+                    if o.numel() != math.prod(shape):
+                        return self._fallback(
+                            f"output shape {tuple(o.shape)} is not the compiled {shape}", tensors
+                        )
+                    outs = tuple(
+                        x.reshape(s) if s is not None else x
+                        for x, s in zip(outs, self.out_shapes, strict=True)
+                    )
+                    break
+            return outs
         return tuple(self.eager(*tensors))
 
     def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:

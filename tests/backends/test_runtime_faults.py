@@ -1,0 +1,77 @@
+"""Region boundaries keep eager's exact shapes; odd options and weights get clear handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpass
+import fxpass.backends.bpu.backend as backend
+
+
+class ZeroDim(torch.nn.Module):
+    """0-dim results of a region (mean / sum / all over a 1-D tensor) and a 0-dim input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x, s):
+        y = (x @ self.w)[0] * s  # s is a 0-dim tensor input into the region
+        return y.mean(), y.sum(-1), (y > -1e9).all(-1), y.select(0, 3)
+
+
+def test_zero_dim_inputs_and_outputs_keep_eager_shapes(opts):
+    m = ZeroDim().eval()
+    x, s = torch.randn(2, 16), torch.tensor(0.5)
+    with torch.no_grad(), _no_fallback():
+        expected = m(x, s)
+        got = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(x, s)
+    r = fxpass.compile_reports()[-1]
+    assert len(r.regions) == 1 and r.regions[0].fallback is None, str(r)
+    for e, g in zip(expected, got, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype, (g.shape, e.shape)
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+class _no_fallback:
+    """Fail on a RegionFallbackWarning (a shape mismatch used to make the region eager)."""
+
+    def __enter__(self):
+        import warnings
+
+        from fxpass.backends.bpu.runtime import RegionFallbackWarning
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error", RegionFallbackWarning)
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 10**6])
+def test_threads_is_bounded_by_the_cpu_count(threads):
+    with pytest.raises(TypeError, match="threads"):
+        backend.validate_options({"threads": threads})
+    assert backend.validate_options({"threads": 1})["threads"] == 1
+
+
+def test_inference_mode_weights_compile_and_warn_once(opts):
+    with torch.inference_mode():
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
+    x = torch.randn(4, 32)
+    backend._WARNED.discard("inference")
+    with torch.inference_mode(), pytest.warns(UserWarning, match="inference_mode"):
+        got = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(x)
+        torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_reports_are_bounded(opts, monkeypatch):
+    monkeypatch.setattr(backend, "MAX_REPORTS", 2)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        for n in (1, 2, 3, 4):
+            torch._dynamo.reset()
+            torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(torch.randn(n, 8))
+    assert len(fxpass.compile_reports()) <= 2
