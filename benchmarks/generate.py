@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,61 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int) -> dict[str,
             "results": list(results.values())}
 
 
+def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, float]:
+    """Where a fxpass_bpu decode step goes: device regions, fxpass's own code, the rest.
+
+    Wraps the backend's entry (``GuardedGraph.__call__``: weight guard, the spliced graph's CPU
+    ops, region input checks, executor calls) and the executor calls, and times whole steps.
+    fxpass's own share = entry - executor; Dynamo/AOT/HF = step - entry. Medians over rounds.
+    """
+    import fxpass.backends.bpu.backend as be
+    import fxpass.backends.bpu.runtime as rt
+
+    acc = {"entry": 0.0, "executor": 0.0}
+    real_entry, real_exec = be.GuardedGraph.__call__, rt.OrtExecutor.__call__
+
+    def timed(key: str, fn: Callable) -> Callable:
+        def wrapper(*a: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                acc[key] += time.perf_counter() - t0
+
+        return wrapper
+
+    torch._dynamo.reset()
+    run, _ = _compiled(name, "fxpass_bpu", PROMPT + new_tokens + 2)
+    run(new_tokens + 1)
+    be.GuardedGraph.__call__ = timed("entry", real_entry)
+    rt.OrtExecutor.__call__ = timed("executor", real_exec)
+    rows = []
+    try:
+        for _ in range(rounds):
+            out = {}
+            for n in (1, new_tokens + 1):
+                acc.update(entry=0.0, executor=0.0)
+                t0 = time.perf_counter()
+                run(n)
+                out[n] = (time.perf_counter() - t0, acc["entry"], acc["executor"])
+            one, full = out[1], out[new_tokens + 1]
+            step = [(b - a) / new_tokens for a, b in zip(one, full, strict=True)]
+            rows.append(step)
+    finally:
+        be.GuardedGraph.__call__, rt.OrtExecutor.__call__ = real_entry, real_exec
+
+    def med(i: int) -> float:
+        return statistics.median(r[i] for r in rows) * 1e3
+
+    total, entry, execu = med(0), med(1), med(2)
+    return {
+        "step_ms": total,
+        "device_regions_ms": execu,
+        "fxpass_own_ms": entry - execu,
+        "dynamo_aot_hf_ms": total - entry,
+    }
+
+
 def to_markdown(data: dict[str, Any]) -> str:
     cols = ["model", "contender", "prefill ms", *[f"decode ms/tok @{n}" for n in
             data["runs"][0]["new_tokens"]], "vs eager", "vs genai", "first generate s",
@@ -208,11 +264,24 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         print(f"[generate] {name} ...", file=sys.stderr, flush=True)
         data["runs"].append(run_model(name, new_tokens, args.repeats))
+        data["runs"][-1]["fxpass_step_breakdown"] = overhead(name)
         harness.write_json(out / "generate.json", data)  # partial results survive a crash
-    md = to_markdown(data)
+    md = to_markdown(data) + "\n\n" + breakdown_markdown(data)
     (out / "generate.md").write_text(md + "\n")
     _plot(data, out / "generate.png")
     print(md)
+
+
+def breakdown_markdown(data: dict[str, Any]) -> str:
+    rows = []
+    for run in data["runs"]:
+        b = run.get("fxpass_step_breakdown")
+        if b:
+            rows.append({"model": run["model"], **{k: f"{v:.2f}" for k, v in b.items()}})
+    cols = ["model", "step_ms", "device_regions_ms", "fxpass_own_ms", "dynamo_aot_hf_ms"]
+    return "fxpass_bpu decode step, where the time goes (ms, medians):\n\n" + (
+        harness.markdown_table(rows, cols)
+    )
 
 
 def _plot(data: dict[str, Any], path: Path) -> None:

@@ -10,6 +10,7 @@ from fxpass.rule import Rule
 from fxpass.rules.alias import alias_removal
 from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
 from fxpass.rules.constant_folding import constant_folding
+from fxpass.rules.cse import cse
 from fxpass.rules.kv_cache import kv_cache_update
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
@@ -22,6 +23,7 @@ ALL = (
     scalar_overloads,
     constant_folding,
     kv_cache_update,
+    cse,
     bf16_promotion,
     bf16_cast_cancel,
 )
