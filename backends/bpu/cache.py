@@ -5,16 +5,27 @@ The key covers everything that changes the artifact: the region graph *with node
 march, options, the rule-set version and the versions of every tool in the flow. Writes go to
 a temporary file in the same directory and are renamed into place, so a reader never sees a
 partial artifact and two processes compiling the same region race harmlessly. Each artifact
-has a manifest with its SHA-256; a mismatch on load is reported and the artifact rebuilt.
+has a manifest with its SHA-256, key, suffix and tool versions; any mismatch or malformed
+manifest on load is reported as corruption and the artifact rebuilt (an artifact filed under
+another region's key would otherwise run as this region and give a wrong answer).
+
+The cache must never cost correctness or offload: a cache directory that cannot be written
+keeps compiled regions in memory (one warning per directory per process), and the cache is
+bounded (``FXPASS_CACHE_MAX_BYTES``, default 2 GiB) by least-recently-used eviction, with
+temporary files of crashed writers swept after an hour.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
+import platform
+import re
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +33,13 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"  # 3: manifests record key, suffix and tools; host CPU in ORT keys
+MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 * 1024**3
+STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash
+_HEX = re.compile(r"[0-9a-f]+")
+# cache roots already warned about as unwritable in this process (warn once, not per region)
+_UNWRITABLE_WARNED: set[str] = set()
 
 
 def default_dir() -> Path:
@@ -57,8 +74,35 @@ def tool_versions() -> dict[str, str]:
     return v
 
 
+@functools.cache
+def host_cpu_fingerprint() -> str:
+    """A short digest of this host's CPU architecture and instruction-set features.
+
+    onnxruntime's optimizer may bake CPU-specific kernels and layouts into the optimized model
+    it writes, and the cached model is loaded with optimizations disabled, so an optimized
+    model must only be reused on a CPU with the same features. Computed once per process.
+    """
+    feats = ""
+    with contextlib.suppress(OSError, UnicodeDecodeError), open("/proc/cpuinfo") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name.strip() in ("flags", "Features"):  # x86 / ARM spelling
+                feats = " ".join(sorted(value.split()))
+                break
+    if not feats:  # not Linux: the best the platform tells
+        feats = platform.processor()
+    text = f"{platform.system()}|{platform.machine()}|{feats}"
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def region_key(gm: GraphModule, **context: Any) -> str:
-    """Digest of the region graph (structure and arguments), its weights and the context."""
+    """Digest of the region graph (structure and arguments), its weights and the context.
+
+    For ``executor="onnxruntime"`` the context also covers the host CPU (see
+    :func:`host_cpu_fingerprint`); board artifacts do not depend on the compiling host.
+    """
+    if context.get("executor") == "onnxruntime":
+        context = {**context, "host_cpu": host_cpu_fingerprint()}
     h = hashlib.blake2b(digest_size=24)
     for n in gm.graph.nodes:
         v = n.meta.get("val")
@@ -79,42 +123,139 @@ def region_key(gm: GraphModule, **context: Any) -> str:
 
 
 class ArtifactCache:
-    """``get``/``put`` of bytes by key under ``root`` (atomic, verified)."""
+    """``get``/``put`` of bytes by key under ``root`` (atomic, verified, size-bounded)."""
 
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None):
+        if isinstance(root, str) and not root.strip():
+            # Path("") is the working directory: artifacts would litter wherever the user runs
+            raise ValueError(
+                f"fxpass_bpu option cache_dir={root!r} is empty, which would write the artifact "
+                "cache into the working directory; pass a directory path, leave cache_dir unset "
+                "(None) for the default ($FXPASS_CACHE_DIR or the user cache directory), or "
+                "pass cache=False to disable the cache"
+            )
         self.root = Path(root) if root is not None else default_dir()
+        self.max_bytes = _max_bytes(max_bytes)
 
     def _paths(self, key: str, suffix: str) -> tuple[Path, Path]:
         d = self.root / key[:2]
         return d / f"{key}{suffix}", d / f"{key}{suffix}.json"
 
     def get(self, key: str, suffix: str) -> bytes | None:
+        """The verified artifact, or None (a miss; a corrupt entry is also deleted).
+
+        An unreadable cache is a miss, not an error: the region is compiled instead.
+        """
         art, man = self._paths(key, suffix)
-        if not art.exists() or not man.exists():
-            return None
         try:
+            if not (art.is_file() and man.is_file()):
+                return None
             data = art.read_bytes()
-            want = json.loads(man.read_text())["sha256"]
-        except (OSError, ValueError, KeyError) as e:
-            return self._corrupt(art, man, f"unreadable manifest or artifact ({e})")
-        if hashlib.sha256(data).hexdigest() != want:
-            return self._corrupt(art, man, "checksum mismatch")
+            raw = man.read_bytes()
+        except OSError:  # evicted meanwhile, or unreadable: compile instead
+            return None
+        why = _check_manifest(raw, data, key, suffix)
+        if why:
+            return self._corrupt(art, man, why)
+        with contextlib.suppress(OSError):  # least-recently-used eviction reads the mtime
+            os.utime(art)
         return data
 
-    def put(self, key: str, suffix: str, data: bytes) -> Path:
+    def put(self, key: str, suffix: str, data: bytes) -> Path | None:
+        """Store ``data``; return its path, or None when the cache cannot be written.
+
+        On None (warned once per directory per process) the caller keeps what it compiled in
+        memory: an unwritable cache must not cost the region its offload.
+        """
         art, man = self._paths(key, suffix)
-        art.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(art, data)
-        _atomic_write(
-            man,
-            json.dumps(
-                {"sha256": hashlib.sha256(data).hexdigest(), "key": key, "tools": tool_versions()}
-            ).encode(),
-        )
+        manifest = {
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "key": key,
+            "suffix": suffix,
+            "size": len(data),
+            "tools": tool_versions(),
+        }
+        try:
+            art.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(art, data)
+            _atomic_write(man, json.dumps(manifest).encode())
+        except OSError as e:
+            self._unwritable(e)
+            return None
+        self._evict(keep=key)
         return art
 
     def path(self, key: str, suffix: str) -> Path:
         return self._paths(key, suffix)[0]
+
+    def _unwritable(self, e: OSError) -> None:
+        root = str(self.root)
+        if root in _UNWRITABLE_WARNED:
+            return
+        _UNWRITABLE_WARNED.add(root)
+        warnings.warn(
+            f"fxpass: the artifact cache directory {root} is not writable "
+            f"({type(e).__name__}: {e}); compiled regions are kept in memory only and are "
+            "recompiled in every process. Make it a writable directory, or point the cache_dir "
+            "option or FXPASS_CACHE_DIR at one (cache=False disables the cache)",
+            stacklevel=4,
+        )
+
+    def _evict(self, keep: str) -> None:
+        """Bound the cache to ``max_bytes``: delete least-recently-used entries, oldest first.
+
+        An entry is every file of one key (artifact, side artifacts, manifests), so a region's
+        entry goes as a whole and the entry just written (``keep``) is never evicted. A hit
+        touches the artifact's mtime, which orders the entries. Temporary files older than an
+        hour were left by crashed writers and are swept; younger ones are writes in flight.
+        Only files named like cache entries (hex keys in their two-character directories) are
+        considered, so a cache_dir shared with other files never loses them.
+        """
+        now = time.time()
+        entries: dict[str, list[tuple[str, int, float]]] = {}
+        total = 0
+        try:
+            subdirs = [d for d in os.scandir(self.root) if len(d.name) == 2]
+        except OSError:
+            return
+        for sub in subdirs:
+            if not _HEX.fullmatch(sub.name):
+                continue
+            try:
+                files = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for f in files:
+                k = f.name.split(".", 1)[0]
+                if not (k.startswith(sub.name) and _HEX.fullmatch(k)):
+                    continue
+                try:
+                    if not f.is_file(follow_symlinks=False):
+                        continue
+                    st = f.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if f.name.endswith(".tmp"):
+                    if now - st.st_mtime > STALE_TMP_SECONDS:
+                        with contextlib.suppress(OSError):
+                            os.unlink(f.path)
+                    continue
+                entries.setdefault(k, []).append((f.path, st.st_size, st.st_mtime))
+                total += st.st_size
+        if total <= self.max_bytes:
+            return
+        lru = sorted((max(m for _, _, m in fs), k) for k, fs in entries.items() if k != keep)
+        for _, k in lru:
+            if total <= self.max_bytes:
+                break
+            for p, size, _ in entries[k]:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:  # another process evicted it first
+                    pass
+                except OSError:
+                    continue
+                total -= size
 
     @staticmethod
     def _corrupt(art: Path, man: Path, why: str) -> None:
@@ -125,6 +266,56 @@ class ArtifactCache:
             with contextlib.suppress(OSError):
                 p.unlink()
         return None
+
+
+def _max_bytes(value: int | None) -> int:
+    """The size bound: the argument, else ``$FXPASS_CACHE_MAX_BYTES``, else 2 GiB."""
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"ArtifactCache max_bytes must be a non-negative int (bytes), got {value!r}"
+            )
+        return value
+    raw = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(
+            f"{MAX_BYTES_ENV}={raw!r} is not a size: set it to a non-negative whole number of "
+            f"bytes (e.g. {DEFAULT_MAX_BYTES} for 2 GiB), or unset it for the default"
+        )
+    return n
+
+
+def _check_manifest(raw: bytes, data: bytes, key: str, suffix: str) -> str | None:
+    """Why the manifest does not vouch for ``data`` as ``key``/``suffix``, or None if it does.
+
+    Checking the key and suffix catches an artifact filed under another key or kind (it would
+    run as this region); any malformed manifest is corruption, never an uncaught error.
+    """
+    try:
+        m = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"unreadable manifest ({e})"
+    if not isinstance(m, dict):
+        return f"malformed manifest (a JSON {type(m).__name__}, not an object)"
+    fields = {"sha256": str, "key": str, "suffix": str, "tools": dict}
+    bad = [f for f, t in fields.items() if not isinstance(m.get(f), t)]
+    if bad:
+        return f"malformed manifest (missing or mistyped {', '.join(bad)})"
+    if m["key"] != key:
+        return f"manifest is for key {m['key'][:16]}..., filed under {key[:16]}..."
+    if m["suffix"] != suffix:
+        return f"manifest is for a {m['suffix']!r} artifact, not {suffix!r}"
+    if m["tools"] != tool_versions():
+        return "manifest records other tool versions than its key"
+    if hashlib.sha256(data).hexdigest() != m["sha256"]:
+        return "checksum mismatch"
+    return None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,11 +96,9 @@ def _compile_ort(
     fuse: bool = True,
 ) -> Compiled:
     if cache is not None:
-        data = cache.get(key, ".ort.onnx")
-        info = cache.get(key, ".fusions.json")
-        if data is not None and info is not None:
-            ex = OrtExecutor(data, input_names, threads=threads, preoptimized=True)
-            return Compiled(ex, key, True, len(data), json.loads(info))
+        hit = _cached_ort(cache, key, input_names, threads)
+        if hit is not None:
+            return hit
     proto = lower(rg.gm, name=name)
     fusions: dict[str, int] = {}
     if fuse:
@@ -113,9 +112,40 @@ def _compile_ort(
         opt = os.path.join(tmp, "opt.onnx")
         ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)
         with open(opt, "rb") as f:
-            cache.put(key, ".ort.onnx", f.read())
-    cache.put(key, ".fusions.json", json.dumps(fusions).encode())
+            optimized = f.read()
+    # One entry, two files: a hit needs both. An unwritable cache (put -> None, warned once)
+    # keeps the session in memory.
+    if cache.put(key, ".ort.onnx", optimized) is not None:
+        cache.put(key, ".fusions.json", json.dumps(fusions).encode())
     return Compiled(ex, key, False, len(data), fusions)
+
+
+def _cached_ort(
+    cache: ArtifactCache, key: str, input_names: list[str], threads: int | None
+) -> Compiled | None:
+    """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager."""
+    data = cache.get(key, ".ort.onnx")
+    info = cache.get(key, ".fusions.json")
+    if data is None or info is None:
+        return None
+    try:
+        fusions = json.loads(info)
+        if not isinstance(fusions, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in fusions.items()
+        ):
+            raise ValueError(f"fusions are not a {{name: count}} object: {fusions!r:.80}")
+        ex = OrtExecutor(data, input_names, threads=threads, preoptimized=True)
+    except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
+        _warn_unloadable(cache.path(key, ".ort.onnx"), e)
+        return None
+    return Compiled(ex, key, True, len(data), fusions)
+
+
+def _warn_unloadable(path: os.PathLike, e: Exception) -> None:
+    warnings.warn(
+        f"fxpass: cached artifact {path} does not load ({type(e).__name__}: {e}); rebuilding it",
+        stacklevel=4,
+    )
 
 
 def _compile_hbm(
@@ -126,21 +156,36 @@ def _compile_hbm(
     march: str,
     cache: ArtifactCache | None,
 ) -> Compiled:
+    """Compile (or load) the region's ``.hbm``; the board runtime loads it from a path.
+
+    With the cache disabled (``cache=False``) or unwritable, the ``.hbm`` lives in a private
+    temporary directory owned by the executor, removed when the executor is collected; the
+    user cache is never written then.
+    """
     from hbdk4 import compiler as hb
 
-    cache = cache or ArtifactCache()
-    path = cache.path(key, ".hbm")
-    data = cache.get(key, ".hbm")
-    cached = data is not None
-    if not cached:
-        proto: onnx.ModelProto = lower(rg.gm, name=name)
-        module = hb.onnx.export(proto, name=name)
-        module = hb.convert(module, march)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            out = os.path.join(tmp, f"{name}.hbm")
-            hb.compile(module, out, march, opt=2)
-            with open(out, "rb") as f:
-                data = f.read()
-        path = cache.put(key, ".hbm", data)
-    return Compiled(HbmExecutor(str(path), input_names), key, cached, len(data))
+    if cache is not None and cache.get(key, ".hbm") is not None:
+        path = cache.path(key, ".hbm")
+        try:
+            return Compiled(HbmExecutor(str(path), input_names), key, True, path.stat().st_size)
+        except Exception as e:  # noqa: BLE001 - e.g. evicted meanwhile: rebuild it
+            _warn_unloadable(path, e)
+    proto: onnx.ModelProto = lower(rg.gm, name=name)
+    module = hb.onnx.export(proto, name=name)
+    module = hb.convert(module, march)
+    tmp = tempfile.TemporaryDirectory(prefix=f"fxpass-{name}-")
+    try:
+        out = os.path.join(tmp.name, f"{name}.hbm")
+        hb.compile(module, out, march, opt=2)
+        with open(out, "rb") as f:
+            data = f.read()
+        path = cache.put(key, ".hbm", data) if cache is not None else None
+        if path is None:
+            ex = HbmExecutor(out, input_names)
+            ex._fxpass_hbm_dir = tmp  # the directory lives as long as the executor
+            return Compiled(ex, key, False, len(data))
+    except BaseException:
+        tmp.cleanup()
+        raise
+    tmp.cleanup()
+    return Compiled(HbmExecutor(str(path), input_names), key, False, len(data))
