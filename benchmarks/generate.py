@@ -73,6 +73,18 @@ def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], An
     return _hf_generate(model, ids), model
 
 
+def _word_tokenizer(vocab: int) -> Any:
+    """A stand-in tokenizer (one word per id): the GenAI builder insists on loading one, and a
+    random-weight model has none. Generation itself runs from token ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(WordLevel(vocab=words, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+
+
 class GenAI:
     """ONNX Runtime GenAI on the same weights: builder (fp32, cpu) + Generator."""
 
@@ -82,9 +94,13 @@ class GenAI:
         self.tmp = tempfile.TemporaryDirectory()
         src, out = Path(self.tmp.name) / "hf", Path(self.tmp.name) / "ort"
         model.save_pretrained(src)
+        _word_tokenizer(model.config.vocab_size).save_pretrained(src)
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
                "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(Path(self.tmp.name) / "c")]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+        built = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if built.returncode:
+            tail = (built.stderr or built.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"onnxruntime_genai builder failed: {' | '.join(tail)}")
         self.og, self.model = og, og.Model(str(out))
         self.ids, self.max_len = ids[0].tolist(), max_len
 
@@ -215,6 +231,12 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     }
 
 
+def _at(d: dict | None, n: int) -> Any:
+    """``d[n]`` whether the keys are ints (in process) or strings (read back from JSON)."""
+    d = d or {}
+    return d.get(n, d.get(str(n)))
+
+
 def to_markdown(data: dict[str, Any]) -> str:
     cols = ["model", "contender", "prefill ms", *[f"decode ms/tok @{n}" for n in
             data["runs"][0]["new_tokens"]], "vs eager", "vs genai", "first generate s",
@@ -225,7 +247,7 @@ def to_markdown(data: dict[str, Any]) -> str:
         last = run["new_tokens"][-1]
 
         def dec(c: str, by=by, last=last) -> float | None:
-            return (by.get(c, {}).get("decode_ms_per_token") or {}).get(last)
+            return _at(by.get(c, {}).get("decode_ms_per_token"), last)
 
         for r in run["results"]:
             d = r.get("decode_ms_per_token") or {}
@@ -236,7 +258,7 @@ def to_markdown(data: dict[str, Any]) -> str:
                 continue
             row["prefill ms"] = f"{r['prefill_ms']:.1f}"
             for n in run["new_tokens"]:
-                row[f"decode ms/tok @{n}"] = f"{d[n]:.2f}"
+                row[f"decode ms/tok @{n}"] = f"{_at(d, n):.2f}"
             for col, ref in (("vs eager", "eager"), ("vs genai", "genai")):
                 a, b = dec(r["contender"]), dec(ref)
                 row[col] = f"{a / b:.2f}x" if a and b else ""
@@ -289,10 +311,10 @@ def _plot(data: dict[str, Any], path: Path) -> None:
     for run in data["runs"]:
         by = {r["contender"]: r for r in run["results"]}
         last = run["new_tokens"][-1]
-        base = (by.get("eager", {}).get("decode_ms_per_token") or {}).get(last)
+        base = _at(by.get("eager", {}).get("decode_ms_per_token"), last)
         cases.append(f"{run['model']} decode @{last}")
         for c in ("eager-static", "inductor", "fxpass_bpu", "genai"):
-            v = (by.get(c, {}).get("decode_ms_per_token") or {}).get(last)
+            v = _at(by.get(c, {}).get("decode_ms_per_token"), last)
             ratios.setdefault(c, []).append(v / base if v and base else None)
     harness.ratio_chart(cases, ratios, path, title="decode ms/token / eager's (median)")
 
