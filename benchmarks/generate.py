@@ -47,7 +47,7 @@ MODELS = {
 
 
 def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    from fxpass import zoo
+    from fxpass.backends.bpu import zoo
 
     family, kw = MODELS[name]
     model, inputs = zoo.get(family, tokens=PROMPT, **kw)

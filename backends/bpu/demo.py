@@ -29,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "generate", False):
         return generate_demo(args)
     import fxpass
-    from fxpass import zoo
+    from fxpass.backends.bpu import zoo
 
     heads = max(2, args.hidden // 64)
     model, kwargs = zoo.get(
@@ -85,8 +85,7 @@ def main(args: argparse.Namespace) -> int:
 def generate_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
     """``fxpass demo --generate``: greedy generate() with a static cache, tokens/s vs eager."""
     import fxpass
-    from fxpass import zoo
-    from fxpass.backends.bpu import compile_for_generate
+    from fxpass.backends.bpu import compile_for_generate, zoo
 
     heads = max(2, args.hidden // 64)
     model, kwargs = zoo.get(

@@ -2,7 +2,8 @@
 
 Prints the rewrites per rule, each region (nodes, MACs, boundary tensors), the offloaded
 share, and every node left on the CPU grouped by reason. ``--json`` for tools, ``--svg FILE``
-to draw the graph with regions coloured. MODEL is a built-in name (``fxpass.zoo``: qwen3-tiny,
+to draw the graph with regions coloured. MODEL is a built-in name
+(``fxpass.backends.bpu.zoo``: qwen3-tiny,
 llama, gpt2, bert, vit, ...) or ``path/to/file.py:factory`` where ``factory()`` returns
 ``(model, kwargs)``.
 """
@@ -21,7 +22,7 @@ import torch
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    from fxpass import zoo
+    from fxpass.backends.bpu import zoo
 
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         path, factory = spec.rsplit(":", 1)

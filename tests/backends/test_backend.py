@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxpass
-from fxpass import zoo
+from fxpass.backends.bpu import zoo
 
 MODELS = ["qwen3", "llama", "mistral", "gpt2", "bert", "vit"]
 

@@ -15,7 +15,8 @@ from tests.conftest import trace
 SCRIPT = textwrap.dedent(
     """
     import json, sys, time, torch
-    import fxpass.zoo as zoo  # the model only; the backend is found through its entry point
+    # the model only; the backend is found through its entry point
+    import fxpass.backends.bpu.zoo as zoo
     model, kw = zoo.get("qwen3", layers=1)
     t = time.perf_counter()
     with torch.no_grad():

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import fxpass
-from fxpass import zoo
-from fxpass.backends.bpu import compile_for_generate
+from fxpass.backends.bpu import compile_for_generate, zoo
 from fxpass.backends.bpu.generation import GrowingCacheWarning
 
 DECODERS = ["qwen3", "llama", "mistral", "gpt2"]

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fxpass import PassManager, select_rules, zoo
+from fxpass import PassManager, select_rules
+from fxpass.backends.bpu import zoo
 from fxpass.capture import capture
 from fxpass.rules._util import CAST
 
