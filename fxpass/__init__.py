@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._capture import capture, capture_graphs
 from .graph import propagate_meta
 from .passmanager import ContractError, FixpointError, PassManager
 from .plugins import Target, load, select_rules
@@ -26,6 +27,8 @@ __all__ = [
     "RuleError",
     "Target",
     "__version__",
+    "capture",
+    "capture_graphs",
     "compile_reports",
     "graph_rule",
     "load",

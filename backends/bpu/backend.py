@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule
 
+from fxpass._capture import aot_backend
 from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
@@ -30,7 +31,6 @@ from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
 from fxpass.backends.bpu.runtime import RegionCall
-from fxpass.capture import aot_backend
 from fxpass.graph import FROZEN, is_static
 from fxpass.passmanager import PassManager
 from fxpass.plugins import select_rules

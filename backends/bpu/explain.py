@@ -47,12 +47,12 @@ def explain(
     progress: bool = True,
 ) -> dict[str, Any]:
     from fxpass import PassManager, select_rules
+    from fxpass import capture_graphs as capture
     from fxpass.backends.bpu.backend import DEFAULT_MIN_MACS
     from fxpass.backends.bpu.capability import Capability, march
     from fxpass.backends.bpu.cost import macs
     from fxpass.backends.bpu.partition import partition
     from fxpass.backends.bpu.region import extract
-    from fxpass.capture import capture
 
     def step(msg: str) -> None:
         if progress:

@@ -8,7 +8,7 @@ from fxpass.backends.bpu.compile import compile_region
 
 
 def test_an_argument_named_like_buffers_is_data_not_a_weight(opts):
-    from fxpass.capture import capture
+    from fxpass import capture_graphs as capture
 
     def f(frame_buffers, w):
         return frame_buffers @ w

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fxpass import PassManager, select_rules
+from fxpass import capture_graphs as capture
 from fxpass.backends.bpu import zoo
-from fxpass.capture import capture
 from fxpass.rules._util import CAST
 
 aten = torch.ops.aten

@@ -82,8 +82,8 @@ def aot_backend(
     return backend
 
 
-def capture(fn: Callable, *args: Any, **kwargs: Any) -> list[Captured]:
-    """Run ``fn(*args, **kwargs)`` under torch.compile (dynamic=False, no grad); return graphs."""
+def capture_graphs(fn: Callable, *args: Any, **kwargs: Any) -> list[Captured]:
+    """Like :func:`capture`, with each graph's real inputs and which of them are weights."""
     out: list[Captured] = []
 
     def fw(gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
@@ -94,3 +94,21 @@ def capture(fn: Callable, *args: Any, **kwargs: Any) -> list[Captured]:
     with torch.no_grad():
         compiled(*args, **kwargs)
     return out
+
+
+def capture(model: Callable, *args: Any, **kwargs: Any) -> list[GraphModule]:
+    """The aten inference graphs ``torch.compile`` hands a backend for ``model(*args, **kwargs)``.
+
+    This is the supported way to get graphs for ``PassManager.run``: every node carries a
+    ``meta["val"]`` fake tensor from one shared fake mode (``make_fx`` on a module gives each
+    node its own, which the rewriter cannot mix), parameters and buffers are placeholders marked
+    as frozen weights (``meta["fxpass_frozen"]``), and in-place input updates (a KV cache) stay
+    in the graph as ``copy_``. Static shapes (``dynamic=False``), no grad. One graph per Dynamo
+    graph (a graph break gives several). ``gm.meta["fxpass_example_inputs"]`` holds the real
+    inputs, in placeholder order, to run it with.
+    """
+    graphs = []
+    for c in capture_graphs(model, *args, **kwargs):
+        c.gm.meta["fxpass_example_inputs"] = c.inputs
+        graphs.append(c.gm)
+    return graphs
