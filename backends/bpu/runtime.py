@@ -107,20 +107,23 @@ class RegionCall(torch.nn.Module):
         self.name = name
         self.executor = executor
         self.eager = eager
-        self.expected = [(tuple(v.shape), v.dtype) for v in expected]
+        # torch.Size compares with a tensor's .shape without building tuples (per-call path)
+        self.expected = [(torch.Size(v.shape), v.dtype) for v in expected]
         (out,) = eager.graph.find_nodes(op="output")
         vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in out.args[0]]
-        self.out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
+        self.out_shapes = [
+            torch.Size(v.shape) if isinstance(v, torch.Tensor) else None for v in vals
+        ]
         self.strict = strict
         self.failed: str | None = None if executor is not None else "not compiled"
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.failed is None:
             for t, (shape, dtype) in zip(tensors, self.expected, strict=True):
-                if t.dtype != dtype or tuple(t.shape) != shape:
+                if t.dtype != dtype or t.shape != shape:
                     return self._fallback(
                         f"input {tuple(t.shape)} {t.dtype} differs from the compiled "
-                        f"{shape} {dtype}",
+                        f"{tuple(shape)} {dtype}",
                         tensors,
                     )
             try:
@@ -128,10 +131,11 @@ class RegionCall(torch.nn.Module):
             except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
                 return self._fallback(f"{type(e).__name__}: {e}", tensors)
             for o, shape in zip(outs, self.out_shapes, strict=True):
-                if shape is not None and tuple(o.shape) != shape:
+                if shape is not None and o.shape != shape:
                     if o.numel() != math.prod(shape):
                         return self._fallback(
-                            f"output shape {tuple(o.shape)} is not the compiled {shape}", tensors
+                            f"output shape {tuple(o.shape)} is not the compiled {tuple(shape)}",
+                            tensors,
                         )
                     outs = tuple(
                         x.reshape(s) if s is not None else x
