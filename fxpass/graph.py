@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from functools import cache
 from typing import Any
@@ -168,9 +167,45 @@ def erase_if_dead(node: Node, erased: list[Node] | None = None, force: bool = Fa
         stack.extend(inputs)
 
 
-def fingerprint(gm: GraphModule) -> str:
-    """Structural hash of a graph including node arguments (used by contract checks, caches)."""
-    h = hashlib.sha256()
-    for n in gm.graph.nodes:
-        h.update(f"{n.op}|{n.name}|{n.target}|{n.args!r}|{sorted(n.kwargs.items())!r};".encode())
-    return h.hexdigest()
+def fingerprint(gm: GraphModule) -> tuple:
+    """Structure of a graph, for "did anything change?" within one process (check mode).
+
+    One record per node, in order: ``(node, op, target, name, args, kwargs)``. It holds
+    references, not text: building it is a few hundred nanoseconds per node (hashing the
+    repr of every argument cost tens of microseconds), and comparing two with ``==`` is
+    identity-fast for untouched nodes (torch.fx rebuilds ``args``/``kwargs`` on every
+    assignment and freezes their lists, so an edit can never mutate a recorded tuple). Not
+    stable across processes: do not use it as a persistent cache key. See
+    :func:`fingerprint_diff` for what changed.
+    """
+    return tuple([(n, n.op, n.target, n.name, n._args, n._kwargs) for n in gm.graph.nodes])
+
+
+_FIELDS = ("op", "target", "name", "args", "kwargs")
+
+
+def fingerprint_diff(
+    before: tuple, after: tuple, created: Any = (), edited: Any = ()
+) -> str | None:
+    """The first change from ``before`` to ``after`` not explained by ``created`` nodes (new,
+    anywhere) and ``edited`` nodes (may differ in any field), described; None if none."""
+    new = set(created)
+    ok = set(edited)
+    kept = [r for r in after if r[0] not in new] if new else list(after)
+    was = {r[0] for r in before}
+    now = {r[0] for r in kept}
+    for r in kept:
+        if r[0] not in was:
+            return f"node {r[1]} {r[3]} ({r[2]}) was created"
+    for r in before:
+        if r[0] not in now:
+            return f"node {r[3]} ({r[2]}) was erased"
+    for b, a in zip(before, kept, strict=True):
+        if b[0] is not a[0]:
+            return f"node {a[3]} was moved (now where {b[3]} was)"
+        if b != a and b[0] not in ok:
+            for i, field in enumerate(_FIELDS, start=1):
+                if b[i] != a[i]:
+                    was_, now_ = repr(b[i])[:120], repr(a[i])[:120]
+                    return f"node {b[3]}: {field} {was_} -> {now_}"
+    return None

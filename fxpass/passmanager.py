@@ -6,22 +6,39 @@ fires, the nodes it created, the users of replaced values and the producers of e
 back on the worklist. When the worklist drains, graph-level rules run; if any changes the graph
 the worklist is re-seeded. Exceeding the budget raises :class:`FixpointError` with the rules
 that kept firing and the cycle between them. ``recompile()`` runs once, at the end.
+
+Every rule application is a transaction: whatever way it ends (an exception, a
+``KeyboardInterrupt``, a contract violation, the rewrite limit), the Rewriter's log is rolled
+back before the driver leaves it. Exceptions are wrapped in :class:`RuleError` (naming the rule
+and the node); other ``BaseException`` s propagate unchanged. The same holds for the rules
+re-run by the check-mode fixpoint check.
+
+Check mode (``check=True`` / ``FXPASS_CHECK=1``) also fingerprints the graph around every
+application (:func:`fxpass.graph.fingerprint`): a change the Rewriter did not log is a rule
+editing the FX graph directly, which no rollback can undo, and is a :class:`ContractError`
+naming the rule, whether the rule then returned or raised. That costs ~0.15 us per node per
+application (one fingerprint per application: an unchanged graph's is reused), so check mode
+is quadratic in graph size: fine for tests and models of a few thousand nodes, which is what
+it is for; production runs leave it off.
+Outside check mode every check is O(1) per rewrite. Environment variables are read through
+:mod:`fxpass.env` (``FXPASS_CHECK``, ``FXPASS_REWRITE_LIMIT``).
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import time
+import warnings
 from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
 from torch.fx import GraphModule, Node
 
-from .graph import is_pure, require_meta
+from . import env
+from .graph import fingerprint, fingerprint_diff, is_pure, require_meta
 from .report import LedgerEntry, Report
-from .rewriter import Rewriter, RuleError
+from .rewriter import Rewriter, rule_error
 from .rule import Rule
 
 
@@ -34,11 +51,16 @@ class FixpointError(RuntimeError):
 
 
 class ContractError(RuntimeError):
-    """A rule broke the rule contract (lied about changing the graph, or is not idempotent)."""
+    """A rule broke the rule contract (lied about changing the graph, is not idempotent, or
+    edited the graph without the Rewriter)."""
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+class PartialRewriteWarning(UserWarning):
+    """A run stopped at the rewrite limit with rewrites pending: the graph is not a fixpoint."""
+
+
+def _where(n: Node | None) -> str:
+    return n.name if n is not None else "<graph>"
 
 
 class PassManager:
@@ -46,7 +68,10 @@ class PassManager:
 
     ``check`` (default: env ``FXPASS_CHECK``) turns on the contract checks; ``budget_factor``
     scales the rewrite budget (``budget_factor * nodes + 64``); ``rewrite_limit`` (default: env
-    ``FXPASS_REWRITE_LIMIT``) stops after that many rewrites, for bisecting a bad rewrite.
+    ``FXPASS_REWRITE_LIMIT``; an integer >= 0, ``None`` for no limit) stops after that many
+    rewrites, for bisecting a bad rewrite: ``0`` applies none. A run that stops with a rewrite
+    pending reports ``stopped_at_limit`` and warns (:class:`PartialRewriteWarning`); a run
+    that converges within the limit is a fixpoint and does neither.
     """
 
     def __init__(
@@ -63,12 +88,18 @@ class PassManager:
         dup = [n for n, c in names.items() if c > 1]
         if dup:
             raise ValueError(f"rule names must be unique in one PassManager; repeated: {dup}")
-        self.check = _env_flag("FXPASS_CHECK") if check is None else check
+        self.check = env.get("FXPASS_CHECK") if check is None else bool(check)
         self.budget_factor = budget_factor
-        env_limit = os.environ.get("FXPASS_REWRITE_LIMIT")
-        self.rewrite_limit = (
-            rewrite_limit if rewrite_limit is not None else (int(env_limit) if env_limit else None)
-        )
+        if rewrite_limit is None:
+            rewrite_limit = env.get("FXPASS_REWRITE_LIMIT")
+        elif isinstance(rewrite_limit, bool) or not isinstance(rewrite_limit, int):
+            raise TypeError(f"rewrite_limit must be an int >= 0 or None, got {rewrite_limit!r}")
+        elif rewrite_limit < 0:
+            raise ValueError(
+                f"rewrite_limit must be >= 0 (0: no rewrites) or None (no limit), "
+                f"got {rewrite_limit}"
+            )
+        self.rewrite_limit: int | None = rewrite_limit
         self.keep_ledger = ledger
         self._build_index(self.rules)
 
@@ -117,6 +148,7 @@ class PassManager:
         self._limit_hit = False
         index, any_rules = self._index, self._any
         _dce(graph)  # rules should not have to reason about dead users
+        self._fp: tuple | None = None  # check mode: fingerprint of the graph as it is now
 
         rounds = 0
         while True:
@@ -146,10 +178,21 @@ class PassManager:
                 break
 
         _dce(graph)
+        self._fp = None
         if self.check:
             graph.lint()
             if not self._limit_hit:  # a bisection stop is not a fixpoint by design
                 self._check_fixpoint(gm)
+        if self._limit_hit:
+            last = report.ledger[-1] if report.ledger else None
+            warnings.warn(
+                f"fxpass stopped at the rewrite limit ({self.rewrite_limit}, from "
+                f"rewrite_limit= or FXPASS_REWRITE_LIMIT) with rewrites still pending: the "
+                f"graph is only partially rewritten, not a fixpoint"
+                + (f"; last rewrite: {last.rule} at {last.anchor}" if last else ""),
+                PartialRewriteWarning,
+                stacklevel=3,
+            )
         if recompile:
             gm.recompile()
         report.rounds = rounds
@@ -162,94 +205,144 @@ class PassManager:
     # ---------------------------------------------------------------------------------------
     def _apply(self, r: Rule, n: Node | None) -> list[Node] | None:
         """Try one rule; returns the nodes to revisit if it fired, else None."""
-        rw, report = self._rw, self._report
+        rw, report, check = self._rw, self._report, self.check
         rw.begin(r.name, n)
-        target = rw.gm if n is None else n
-        if self.check:
-            before = self._local_state(rw.gm, n)
+        before = None
+        if check:
+            before = self._fp if self._fp is not None else fingerprint(rw.gm)
         t0 = time.perf_counter()
         try:
-            fired = r.fn(target, rw)
-        except Exception as e:  # transactional: undo whatever the rule did
-            rw.rollback()
-            raise RuleError(r.name, n.name if n is not None else "<graph>", e) from e
+            fired = self._call(r, n, before)
         finally:
             report.seconds[r.name] = report.seconds.get(r.name, 0.0) + time.perf_counter() - t0
-        if self.check:
-            touched = rw.changed or self._local_state(rw.gm, n) != before
-            if bool(fired) != touched:
-                rw.rollback()
-                what = (
-                    "returned True but changed nothing"
-                    if fired
-                    else ("changed the graph but returned False")
-                )
-                raise ContractError(f"rule {r.name!r} {what} (node {getattr(n, 'name', n)})")
-        if not fired or not rw.changed:
-            if rw.changed:
-                rw.rollback()
-            return None
+        try:
+            if check:
+                self._check_contract(r, n, fired, before)
+            if not fired or not rw.changed:
+                if rw.changed:
+                    rw.rollback()
+                self._fp = before  # unchanged (verified in check mode)
+                return None
+            if self.rewrite_limit is not None and self._done >= self.rewrite_limit:
+                rw.rollback()  # checked before applying: the limit is exact, 0 means none
+                self._fp = before
+                self._limit_hit = True
+                return None
+            if check:
+                self._lint_local(rw)
+        except BaseException:
+            rw.rollback()  # every exit path leaves the graph as the rule found it
+            raise
+        self._fp = None
         created, erased, revisit = rw.commit()
         report.rewrites[r.name] = report.rewrites.get(r.name, 0) + 1
         if self.keep_ledger:
             report.ledger.append(
-                LedgerEntry(
-                    r.name,
-                    n.name if n is not None else "<graph>",
-                    [e.name for e in erased],
-                    [c.name for c in created],
-                )
+                LedgerEntry(r.name, _where(n), [e.name for e in erased], [c.name for c in created])
             )
-        if self.check:
-            self._lint_local(created)
         self._done += 1
-        if self.rewrite_limit is not None and self._done >= self.rewrite_limit:
-            self._limit_hit = True
         if self._done > self._budget:
             self._fail()
         if n is not None and not n._erased:
             revisit.append(n)
         return revisit
 
-    @staticmethod
-    def _local_state(gm: GraphModule, n: Node | None) -> Any:
-        g = gm.graph
-        if n is None:
-            return (len(g.nodes),)
-        return (len(g.nodes), n._erased, n.args, tuple(n.kwargs.items()), len(n.users))
+    def _call(self, r: Rule, n: Node | None, before: tuple | None) -> bool:
+        """Run the rule. If it raises, roll back, then: a ``BaseException`` that is not an
+        ``Exception`` (KeyboardInterrupt, SystemExit) propagates unchanged; in check mode a
+        graph that still differs from ``before`` is a :class:`ContractError` (the rule edited
+        it directly, and that cannot be undone); otherwise :class:`RuleError`."""
+        rw = self._rw
+        try:
+            return bool(r.fn(rw.gm if n is None else n, rw))
+        except BaseException as e:
+            rw.rollback()
+            if not isinstance(e, Exception):
+                raise
+            if before is not None:
+                what = fingerprint_diff(before, fingerprint(rw.gm))
+                if what is not None:
+                    raise ContractError(
+                        f"rule {r.name!r} edited the graph directly, bypassing the Rewriter, "
+                        f"and then raised {type(e).__name__}: {e} (node {_where(n)}). Its "
+                        f"Rewriter edits were undone but the direct ones cannot be: the graph "
+                        f"is left modified ({what}). Edit only through rw.* so a failing rule "
+                        f"can be undone."
+                    ) from e
+            raise rule_error(r.name, _where(n), e) from e
+
+    def _check_contract(self, r: Rule, n: Node | None, fired: bool, before: tuple) -> None:
+        """Check mode, after the rule returned: every change must be in the Rewriter's log,
+        and the return value must say whether it changed the graph."""
+        rw = self._rw
+        after = fingerprint(rw.gm)
+        if after != before:
+            what = fingerprint_diff(before, after, *rw.logged())
+            if what is not None:
+                rw.rollback()
+                raise ContractError(
+                    f"rule {r.name!r} edited the graph directly, bypassing the Rewriter "
+                    f"(node {_where(n)}: {what}). Its Rewriter edits were undone but the direct "
+                    f"ones cannot be: the graph is left modified. Edit only through rw.*: the "
+                    f"driver must be able to undo a rule and to know what to revisit."
+                )
+        if fired != rw.changed:
+            rw.rollback()
+            what = "returned True but changed nothing" if fired else "changed the graph but "
+            what += "" if fired else "returned False"
+            raise ContractError(f"rule {r.name!r} {what} (node {_where(n)})")
 
     @staticmethod
-    def _lint_local(created: list[Node]) -> None:
-        for c in created:
+    def _lint_local(rw: Rewriter) -> None:
+        """New and retargeted nodes have meta and only use what is defined before them.
+        Runs before commit, so a failure is rolled back like any other."""
+        for c in [*rw._created, *(e for e, _, _ in rw._retargets)]:
             if "val" not in c.meta:
-                raise ContractError(f"node {c.name} created without meta['val']")
+                raise ContractError(
+                    f"rule {rw.rule_name!r}: node {c.name} created without meta['val']"
+                )
             for i in c.all_input_nodes:
                 if i._erased or not i._sort_key < c._sort_key:
-                    raise ContractError(f"node {c.name} uses {i.name} before it is defined")
+                    raise ContractError(
+                        f"rule {rw.rule_name!r}: node {c.name} uses {i.name} before it is defined"
+                    )
 
     def _check_fixpoint(self, gm: GraphModule) -> None:
         """Confirm no rule fires on the result; a rule that does is not idempotent."""
-        rw = self._rw
         for n in list(gm.graph.nodes):
             if n.op != "call_function":
                 continue
             for r in self._index.get(id(n.target), self._any):
-                rw.begin(r.name, n)
-                fired = r.fn(n, rw)
-                changed = rw.changed
-                rw.rollback()
-                if fired and changed:
+                if self._probe(r, n):
                     raise ContractError(
                         f"rule {r.name!r} fires again at the fixpoint on node {n.name} "
                         f"({n.target}): it is not idempotent, or another rule undoes it"
                     )
         for r in self._graph_rules:
-            rw.begin(r.name, None)
-            fired = r.fn(gm, rw)
-            changed = rw.changed
-            rw.rollback()
-            if fired and changed:
+            if self._probe(r, None):
                 raise ContractError(f"graph rule {r.name!r} fires again at the fixpoint")
+
+    def _probe(self, r: Rule, n: Node | None) -> bool:
+        """Run a rule and always roll it back: whether it would fire and change the graph.
+        Raising, and direct edits, are reported as in the main loop."""
+        rw = self._rw
+        rw.begin(r.name, n)
+        before = self._fp if self._fp is not None else fingerprint(rw.gm)
+        self._fp = before
+        try:
+            fired = self._call(r, n, before)
+            changed = rw.changed
+        finally:
+            rw.rollback()
+        after = fingerprint(rw.gm)
+        what = fingerprint_diff(before, after) if after != before else None
+        if what is not None:
+            raise ContractError(
+                f"rule {r.name!r} edited the graph directly, bypassing the Rewriter, during the "
+                f"fixpoint check (node {_where(n)}: {what}); the graph is left modified. Edit "
+                f"only through rw.*."
+            )
+        return fired and changed
 
     def _fail(self) -> None:
         ledger = self._report.ledger

@@ -3,12 +3,27 @@
 A plugin is a plain module with functions named after the hooks (``fxpass_rules``,
 ``fxpass_targets``); no decorator is needed. The built-in rules and the BPU target register
 exactly this way in our own ``pyproject.toml``.
+
+One broken third-party plugin must not break every ``fxpass.load()`` (and with it the
+built-ins): a plugin that fails to import (``SystemExit`` included, ``KeyboardInterrupt``
+not), whose hook raises or returns something other than a list of :class:`Rule` /
+:class:`Target`, whose hook has the wrong signature, or that defines an unknown ``fxpass_*``
+function (a misspelled hook, which pluggy's ``check_pending`` reports) is skipped as a whole
+with a :class:`PluginLoadWarning` naming its distribution and entry point, and recorded in
+``Registry.failures``. Two plugins registering the same rule or target name remain an error:
+which one the user meant is ambiguous.
+
+Switching plugins off: ``FXPASS_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the ``fxpass``
+distribution's own entry points (``builtin_rules``, ``bpu``); ``FXPASS_BLOCK_PLUGINS=a,b`` and
+``fxpass.load(block=("a", "b"))`` skip plugins by entry point name (an unknown name warns,
+listing the known ones). Both variables are validated by :mod:`fxpass.env`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import inspect
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +32,7 @@ from typing import Any
 
 import pluggy
 
+from . import env
 from .rule import Rule
 
 GROUP = "fxpass"
@@ -49,13 +65,22 @@ class Target:
 
 
 class PluginLoadWarning(UserWarning):
-    """A plugin's entry point failed to import; its rules are missing, everything else loads."""
+    """A plugin failed to import or its hooks failed; it was skipped, everything else loads.
+    Also: a blocked plugin name that no entry point has."""
+
+
+class _PluginError(Exception):
+    """A plugin's hook broke the hook contract (the message says how)."""
 
 
 class _Manager(pluggy.PluginManager):
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and name.startswith("fxpass_"):
+        if (
+            opts is None
+            and name.startswith("fxpass_")
+            and inspect.isroutine(getattr(plugin, name, None))
+        ):
             return {}  # plain functions named after a hook are hook implementations
         return opts
 
@@ -87,47 +112,135 @@ class Registry:
             self.targets[t.name] = dataclasses.replace(t, plugin=source)
 
 
-_cache: Registry | None = None
+_cache: dict[tuple[bool, frozenset[str]], Registry] = {}  # per (autoload off, blocked)
+_HOOKS = (("fxpass_rules", Rule), ("fxpass_targets", Target))
 
 
-def load(refresh: bool = False, extra: Iterable[Any] = ()) -> Registry:
-    """Discover plugins through the ``fxpass`` entry point group (cached unless ``refresh``)."""
-    global _cache
-    if _cache is not None and not refresh and not extra:
-        return _cache
+def _is_own(dist: str) -> bool:
+    return re.sub(r"[-_.]+", "-", dist).lower() == "fxpass"
+
+
+def _call_hook(pm: pluggy.PluginManager, plugin: Any, hook: str, kind: type) -> list[Any]:
+    """Call one plugin's implementation of ``hook`` through pluggy; check what it returned.
+
+    ``subset_hook_caller`` keeps the other plugins out, so an exception or a bad return value
+    is attributed to this plugin alone.
+    """
+    caller = getattr(pm.hook, hook)
+    if not any(impl.plugin is plugin for impl in caller.get_hookimpls()):
+        return []
+    others = [p for p in pm.get_plugins() if p is not plugin]
+    results = pm.subset_hook_caller(hook, remove_plugins=others)()
+    if not results:  # pluggy drops None results
+        raise _PluginError(f"{hook}() returned None; want a list of {kind.__name__}")
+    value = results[0]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _PluginError(
+            f"{hook}() returned a {type(value).__name__} ({value!r:.80}); "
+            f"want a list of {kind.__name__}"
+        )
+    items = list(value)
+    for item in items:
+        if not isinstance(item, kind):
+            raise _PluginError(
+                f"{hook}() returned {item!r:.80} ({type(item).__name__}) in its list; "
+                f"want {kind.__name__} objects"
+            )
+    return items
+
+
+def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, list]:
+    """Register ``plugin`` and call its hooks; on any failure it is unregistered again, so a
+    plugin contributes everything or nothing."""
+    try:
+        pm.register(plugin, name=source)  # PluginValidationError: a hook's signature is wrong
+        try:
+            pm.check_pending()  # an fxpass_* function matching no hook: a misspelled hook name
+        except pluggy.PluginValidationError as e:
+            hooks = ", ".join(name for name, _ in _HOOKS)
+            raise _PluginError(f"{e} (a misspelled hook name? fxpass hooks: {hooks})") from e
+        rules = _call_hook(pm, plugin, "fxpass_rules", Rule)
+        targets = _call_hook(pm, plugin, "fxpass_targets", Target)
+    except BaseException:
+        if pm.is_registered(plugin):  # also when register() failed half-way through its hooks
+            pm.unregister(plugin)
+        raise
+    return rules, targets
+
+
+def _fail(reg: Registry, source: str, where: str, what: str, e: BaseException) -> None:
+    detail = str(e) if isinstance(e, _PluginError) else f"{type(e).__name__}: {e}"
+    reg.failures.append((source, detail))
+    warnings.warn(
+        f"fxpass plugin {where} {what} and was skipped: {detail}",
+        PluginLoadWarning,
+        stacklevel=3,
+    )
+
+
+def load(
+    refresh: bool = False, extra: Iterable[Any] = (), block: Iterable[str] | None = None
+) -> Registry:
+    """Discover plugins through the ``fxpass`` entry point group (cached unless ``refresh``).
+
+    ``block`` (and env ``FXPASS_BLOCK_PLUGINS``) names entry points not to load;
+    ``FXPASS_DISABLE_PLUGIN_AUTOLOAD=1`` loads only fxpass's own. ``extra`` modules are
+    registered as plugins too (never cached). The cache is kept per configuration.
+    """
+    autoload_off = env.get("FXPASS_DISABLE_PLUGIN_AUTOLOAD")
+    blocked_arg, blocked_env = _names(block), list(env.get("FXPASS_BLOCK_PLUGINS"))
+    blocked = {*blocked_arg, *blocked_env}
+    key = (autoload_off, frozenset(blocked))
+    if refresh:
+        _cache.clear()
+    extra = list(extra)
+    if key in _cache and not extra:
+        return _cache[key]
     pm = _Manager(GROUP)
     pm.add_hookspecs(Hooks)
     reg = Registry()
-    sources: list[tuple[Any, str]] = []
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
-        source = f"{dist}:{ep.name}"
-        try:
-            mod = ep.load()
-        except Exception as e:  # reported, not fatal: one broken plugin must not stop the rest
-            reg.failures.append((source, f"{type(e).__name__}: {e}"))
+    eps = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    known = sorted({ep.name for ep in eps})
+    for names, how in (
+        (blocked_arg, "fxpass.load(block=...)"),
+        (blocked_env, "FXPASS_BLOCK_PLUGINS"),
+    ):
+        unknown = [b for b in names if b not in known]
+        if unknown:
             warnings.warn(
-                f"fxpass plugin entry point {ep.name!r} ({ep.value}, from {dist}) failed to "
-                f"import and was skipped: {type(e).__name__}: {e}",
+                f"{how} names no installed fxpass plugin: {unknown}; known plugin entry "
+                f"points: {known}",
                 PluginLoadWarning,
                 stacklevel=2,
             )
+    sources: list[tuple[Any, str, str]] = []
+    for ep in eps:
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
+        source = f"{dist}:{ep.name}"
+        if ep.name in blocked or (autoload_off and not _is_own(dist)):
             continue
-        sources.append((mod, source))
+        where = f"entry point {ep.name!r} ({ep.value}, from distribution {dist!r})"
+        try:
+            mod = ep.load()
+        except (Exception, SystemExit) as e:  # one broken plugin must not stop the rest
+            _fail(reg, source, where, "failed to import", e)
+            continue
+        sources.append((mod, source, where))
     for i, mod in enumerate(extra):
-        sources.append((mod, f"<extra:{getattr(mod, '__name__', i)}>"))
-    for mod, source in sources:
+        name = getattr(mod, "__name__", i)
+        sources.append((mod, f"<extra:{name}>", f"module {name!r} (passed as extra)"))
+    for mod, source, where in sources:
         if pm.is_registered(mod):
             continue
-        pm.register(mod, name=source)
-        for impl, name in (("fxpass_rules", "rules"), ("fxpass_targets", "targets")):
-            fn = getattr(mod, impl, None)
-            if fn is None:
-                continue
-            items = list(fn())
-            (reg.add_rules if name == "rules" else reg.add_targets)(items, source)
+        try:
+            rules, targets = _collect(pm, mod, source)
+        except (Exception, SystemExit) as e:
+            _fail(reg, source, where, "broke the hook contract", e)
+            continue
+        reg.add_rules(rules, source)  # duplicate names across plugins: a ValueError, as before
+        reg.add_targets(targets, source)
     if not extra:
-        _cache = reg
+        _cache[key] = reg
     return reg
 
 
@@ -149,24 +262,34 @@ def select_rules(
     """The rules to run: defaults, plus/minus the target's choices, the caller's, then env.
 
     ``FXPASS_ENABLE`` / ``FXPASS_DISABLE`` (comma-separated names) apply last, so a user can
-    switch a rule off without touching code. Unknown names are an error listing known ones.
+    switch a rule off without touching code. Unknown names are an error naming where they
+    came from and listing the known ones.
     """
     reg = registry or load()
     on = {n for n, r in reg.rules.items() if r.default}
-    steps: list[tuple[list[str], list[str]]] = []
+    steps: list[tuple[list[str], list[str], str, str]] = []
     if target is not None:
         if target not in reg.targets:
             raise ValueError(f"unknown fxpass target {target!r}; known: {sorted(reg.targets)}")
         t = reg.targets[target]
-        steps.append((list(t.enable), list(t.disable)))
-    steps.append((_names(enable), _names(disable)))
+        where = f"target {t.name!r} ({t.plugin})"
+        steps.append((list(t.enable), list(t.disable), where, where))
+    steps.append((_names(enable), _names(disable), "enable=", "disable="))
     steps.append(
-        (_names(os.environ.get("FXPASS_ENABLE")), _names(os.environ.get("FXPASS_DISABLE")))
+        (
+            list(env.get("FXPASS_ENABLE")),
+            list(env.get("FXPASS_DISABLE")),
+            "FXPASS_ENABLE",
+            "FXPASS_DISABLE",
+        )
     )
-    for en, dis in steps:
-        unknown = [n for n in en + dis if n not in reg.rules]
-        if unknown:
-            raise ValueError(f"unknown rule name(s) {unknown}; known rules: {sorted(reg.rules)}")
+    for en, dis, en_from, dis_from in steps:
+        for names, source in ((en, en_from), (dis, dis_from)):
+            unknown = [n for n in names if n not in reg.rules]
+            if unknown:
+                raise ValueError(
+                    f"unknown rule name(s) {unknown} in {source}; known rules: {sorted(reg.rules)}"
+                )
         on |= set(en)
         on -= set(dis)
     return [r for n, r in reg.rules.items() if n in on]

@@ -62,6 +62,8 @@ class Report:
             lines.append(
                 f"  stopped at the rewrite limit; last rewrite: {last.rule} at {last.anchor}"
             )
+        elif self.stopped_at_limit:
+            lines.append("  stopped at the rewrite limit before the first rewrite (partial)")
         for name in sorted(self.rewrites, key=lambda k: -self.rewrites[k]):
             lines.append(
                 f"  {name:<28} {self.rewrites[name]:>6} rewrites "

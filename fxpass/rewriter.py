@@ -4,6 +4,11 @@ It keeps every mutation of one rule application in an undo log, so a rule that r
 that the driver rejects) leaves the graph exactly as it was, and it tells the driver what to
 revisit. New nodes get ``meta['val']`` by running the op on the inputs' fake tensors, so later
 rules and the partitioner always see shapes and dtypes.
+
+Replacing a value by one of another dtype or shape (``replace``, ``replace_input``,
+``retarget(val=...)``) is refused, always, not only under check: the users keep the
+``meta['val']`` they were traced with, which would go stale, and a backend running without
+checks would silently return a different dtype or shape. The check is O(rank) per call.
 """
 
 from __future__ import annotations
@@ -23,11 +28,75 @@ _MISSING = object()
 
 
 class RuleError(RuntimeError):
-    """A rule raised; the graph was rolled back. Names the rule and the node."""
+    """A rule raised; its Rewriter edits were rolled back. Names the rule and the node."""
 
     def __init__(self, rule: str, node: str, cause: BaseException):
         super().__init__(f"rule {rule!r} failed on node {node!r}: {type(cause).__name__}: {cause}")
         self.rule, self.node, self.cause = rule, node, cause
+
+
+class MetaMismatchError(ValueError):
+    """A replacement value's dtype or shape differs from the value it replaces."""
+
+
+class MetaRuleError(RuleError, AssertionError):
+    """The :class:`RuleError` for a :class:`MetaMismatchError`. Also an ``AssertionError``:
+    a changed dtype or shape is a wrong result, and wrong results are what the test kit
+    (``fxpass.testing.check_rule``) reports as assertion failures."""
+
+
+def rule_error(rule: str, node: str, cause: Exception) -> RuleError:
+    """The RuleError the driver raises for ``cause``."""
+    cls = MetaRuleError if isinstance(cause, MetaMismatchError) else RuleError
+    return cls(rule, node, cause)
+
+
+def _same_dim(a: Any, b: Any) -> bool:
+    if a is b or (type(a) is int and type(b) is int):
+        return a == b
+    # symbolic: refuse only what is provably different, and never add a guard to the graph
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return not statically_known_true(a != b)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+    return f"the Python {type(v).__name__} {v!r}"
+
+
+def meta_mismatch(old: Any, new: Any) -> str | None:
+    """Why value ``new`` cannot stand in for ``old`` (fake tensors, tuples of them, scalars),
+    or None if it can. Only dtype and shape are compared: both are O(rank). An old value that
+    is not recorded (None) cannot be compared and is accepted; tuples compare element-wise."""
+    if old is None:
+        return None
+    if isinstance(old, torch.Tensor):
+        if not isinstance(new, torch.Tensor):
+            return (
+                f"a tensor {_describe(old)} would be replaced by {_describe(new)} (a tensor "
+                "becomes a Python value; use rw.const(torch.tensor(...)) to keep a tensor)"
+            )
+        if old.dtype != new.dtype:
+            return f"dtype {old.dtype} -> {new.dtype}"
+        if len(old.shape) != len(new.shape) or not all(
+            _same_dim(a, b) for a, b in zip(old.shape, new.shape, strict=True)
+        ):
+            return f"shape {list(old.shape)} -> {list(new.shape)}"
+        return None
+    if isinstance(old, (tuple, list)):
+        if not isinstance(new, (tuple, list)) or len(new) != len(old):
+            what = f"{len(new)} values" if isinstance(new, (tuple, list)) else _describe(new)
+            return f"a tuple of {len(old)} values -> {what}"
+        for i, (o, n) in enumerate(zip(old, new, strict=True)):
+            why = meta_mismatch(o, n)
+            if why is not None:
+                return f"element {i}: {why}"
+        return None
+    if isinstance(new, torch.Tensor):  # a scalar (a size, say) would become a tensor
+        return f"the Python {type(old).__name__} {old!r} -> a tensor {_describe(new)}"
+    return None
 
 
 class Rewriter:
@@ -60,7 +129,15 @@ class Rewriter:
     def changed(self) -> bool:
         return bool(self._created or self._snapshots or self._to_erase or self._retargets)
 
+    def logged(self) -> tuple[list[Node], list[Node]]:
+        """(nodes created, existing nodes edited) by the pending transaction, for the driver's
+        check-mode comparison with a graph fingerprint."""
+        edited = [u for u, _, _ in self._snapshots]
+        edited.extend(n for n, _, _ in self._retargets)
+        return self._created, edited
+
     def rollback(self) -> None:
+        """Undo the pending transaction. Idempotent: the log is cleared."""
         for node, target, val in reversed(self._retargets):
             node.target = target
             node.meta["val"] = val
@@ -72,7 +149,7 @@ class Rewriter:
         for name in self._buffers:
             delattr(self.gm, name)
         self._created, self._snapshots, self._to_erase, self._revisit = [], [], [], []
-        self._buffers = []
+        self._retargets, self._buffers = [], []
 
     def commit(self) -> tuple[list[Node], list[Node], list[Node]]:
         """Apply deferred erasures; return (created, erased, revisit)."""
@@ -242,8 +319,29 @@ class Rewriter:
         self._created.append(n)
 
     # -- editing ----------------------------------------------------------------------------
+    def _check_meta(self, what: str, old: Node, new: Any) -> None:
+        if isinstance(new, Node):
+            if "val" not in new.meta:
+                return  # nothing to compare (check mode reports created nodes without meta)
+            nv = new.meta["val"]
+        else:
+            nv = new
+        why = meta_mismatch(old.meta.get("val"), nv)
+        if why is not None:
+            label = new.name if isinstance(new, Node) else _describe(new)
+            raise MetaMismatchError(
+                f"{what}({old.name}, {label}) changes the value: {why}. Refused: the users of "
+                f"{old.name} keep their meta['val'], which would go stale, and a backend "
+                "running without checks would return a different dtype/shape. Cast or reshape "
+                "the replacement to match (or rewrite the users as well)."
+            )
+
     def replace(self, old: Node, new: Any) -> None:
-        """Point every use of ``old`` at ``new`` (a node or a Python value); erase ``old``."""
+        """Point every use of ``old`` at ``new`` (a node or a Python value); erase ``old``.
+
+        ``new`` must have ``old``'s dtype and shape (see the module docstring).
+        """
+        self._check_meta("replace", old, new)
         for user in list(old.users):
             self._snapshots.append((user, user.args, dict(user.kwargs)))
             user.args = map_arg(user.args, lambda x: new if x is old else x)
@@ -251,7 +349,8 @@ class Rewriter:
         self._to_erase.append((old, True))
 
     def replace_input(self, user: Node, old: Node, new: Any) -> None:
-        """Point one use (``user``'s input ``old``) at ``new``."""
+        """Point one use (``user``'s input ``old``) at ``new`` (same dtype and shape)."""
+        self._check_meta("replace_input", old, new)
         self._snapshots.append((user, user.args, dict(user.kwargs)))
         user.args = map_arg(user.args, lambda x: new if x is old else x)
         user.kwargs = map_arg(user.kwargs, lambda x: new if x is old else x)
@@ -264,8 +363,11 @@ class Rewriter:
 
         Cheaper than creating a node and replacing uses (torch.fx node creation dominates
         the cost of simple canonicalizations); ``val`` defaults to the node's current one,
-        which is right when the rewrite keeps the value (an overload change, say).
+        which is right when the rewrite keeps the value (an overload change, say); a ``val``
+        of another dtype or shape is refused, as in :meth:`replace`.
         """
+        if val is not _MISSING:
+            self._check_meta("retarget", node, val)
         self._retargets.append((node, node.target, node.meta.get("val")))
         self._snapshots.append((node, node.args, dict(node.kwargs)))
         node.target = target

@@ -9,26 +9,28 @@ transposes of weights all become constants.
 Why: those subgraphs are int64/bool index arithmetic a device cannot run; left in, they cut
 the model into many small regions.
 
-Does not fire when: the result is much larger than its inputs (``MAX_GROWTH`` times, and more
-than ``MIN_BYTES``; e.g. a broadcast ``expand``): the fold is refused and the report says so;
-an op is random, mutating or uninitialized (``empty``); the shape is symbolic.
+Does not fire when: the result is much larger than its inputs (``FXPASS_FOLD_MAX_GROWTH``
+times, default 64, and more than ``FXPASS_FOLD_MIN_BYTES``, default 4 MiB; e.g. a broadcast
+``expand``): the fold is refused and the report says so; an op is random, mutating or
+uninitialized (``empty``); the shape is symbolic.
+
+The two limits are read (and validated, by :mod:`fxpass.env`) each time the rule runs, not at
+import: a bad value is then an error naming the variable when a graph is compiled, not an
+import failure that takes the whole built-in rules plugin with it.
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import Any
 
 import torch
 from torch.fx.node import map_arg
 
-from fxpass import graph_rule
+from fxpass import env, graph_rule
 from fxpass.graph import FROZEN, constant_value, is_static
 from fxpass.rules._util import aten, writes
 
-MAX_GROWTH = float(os.environ.get("FXPASS_FOLD_MAX_GROWTH", 64))
-MIN_BYTES = int(os.environ.get("FXPASS_FOLD_MIN_BYTES", 4 << 20))
 _NEVER = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
 
 
@@ -48,6 +50,8 @@ def _nbytes(v: Any) -> int:
 @graph_rule(name="constant_folding", priority=-10)
 def constant_folding(gm, rw):
     """Fold input-independent subgraphs (arange, masks, full, casts of constants/weights)."""
+    max_growth = env.get("FXPASS_FOLD_MAX_GROWTH")
+    min_bytes = env.get("FXPASS_FOLD_MIN_BYTES")
     graph = gm.graph
     leaf_bytes: dict[Any, int] = {}  # constant node -> bytes of the constant leaves under it
     for n in graph.nodes:
@@ -117,10 +121,10 @@ def constant_folding(gm, rw):
                 rw.skip(f"{n.name}: symbolic shape, not folded")
                 continue
             out = _nbytes(n.meta["val"])
-            if out > MIN_BYTES and out > MAX_GROWTH * max(leaf_bytes[n], 1):
+            if out > min_bytes and out > max_growth * max(leaf_bytes[n], 1):
                 rw.skip(
                     f"refused to fold {n.name} ({n.target}): {out} bytes from {leaf_bytes[n]} "
-                    f"bytes of inputs exceeds the budget ({MAX_GROWTH:g}x above {MIN_BYTES} B)"
+                    f"bytes of inputs exceeds the budget ({max_growth:g}x above {min_bytes} B)"
                 )
                 continue
             k = key(n)
