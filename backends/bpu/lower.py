@@ -221,6 +221,36 @@ def _pair(v: Any, k: int) -> list[int]:
 Emitter = Callable[[_Builder, fx.Node, dict[str, Any]], "str | list[str]"]
 
 
+# ---- non-finite values ---------------------------------------------------------------------
+# Some onnxruntime CPU kernels treat NaN, +-inf or huge values unlike aten. The emitters below
+# fix exactly those ops and leave the others alone (tests/backends/test_lower_nonfinite.py
+# pins every audited op against eager, at every ORT optimization level):
+# * amax/amin (ReduceMax/ReduceMin) and max_pool2d (MaxPool) skip NaN, and float32 MaxPool
+#   can return -FLT_MAX for an all -inf window: _reduce, _max_pool. A dilated float32
+#   max_pool2d stays on the host (_check_pool): its check would need opset-19 AveragePool;
+# * a Clip with an omitted bound clamps +-inf to the largest finite value: _clip;
+# * pow(x, +-0.5), gelu (erf form) and hardswish overflow or produce NaN at +-inf in different
+#   places: _pow_scalar, _gelu, _hardswish.
+# Accepted differences, not worth an extra pass on hot paths:
+# * the sign of zero out of Where's first branch (onnxruntime returns +0 for a -0) and of a
+#   ReduceSum of mixed zeros; it matters only if the zero is divided by later;
+# * overflow that depends on accumulation order (huge values in sums, means, matmul, conv,
+#   average pools, layer-norm variance with |x| > ~1e19): eager's own kernels differ there;
+# * add/sub with alpha != 1 and a tensor operand: eager fuses x + alpha * y (FMA), ONNX rounds
+#   alpha * y first, so inf/NaN can differ only when |alpha * y| overflows and the sum does not;
+# * addmm with alpha=0: eager's float32 BLAS path never reads the product (drops its NaN),
+#   its float16 and small-baddbmm paths do; the lowering always propagates.
+def _nan_flags(b: _Builder, x: str, dt: torch.dtype) -> str:
+    """1 where ``x`` is NaN, else 0, in the float dtype ``dt`` (reducible and poolable)."""
+    return b.op("Cast", b.op("IsNaN", x), to=_ONNX_DTYPE[dt])
+
+
+def _nan_where(b: _Builder, hits: str, out: str, dt: torch.dtype) -> str:
+    """``out`` with NaN wherever the reduced/pooled NaN flags ``hits`` are positive."""
+    # ``out`` is Where's second branch: onnxruntime keeps the sign of a -0 there
+    return b.op("Where", b.op("Greater", hits, b.const(0.0, dt)), b.const(math.nan, dt), out)
+
+
 # ---- emitters ------------------------------------------------------------------------------
 def _widened(b: _Builder, n: fx.Node, op_type: str, *xs: Any, **attrs: Any) -> str:
     """``op_type`` on operands promoted to the result dtype, via int32 for narrow ints/bool."""
@@ -382,7 +412,14 @@ def _reduce(op_type: str) -> Emitter:
         if axes == [rank - 1]:  # the spelling onnxscript's norm fusions match
             axes = [-1]
         keep = int(bool(a.get("keepdim")))
-        red = b.op(op_type, b.t(x, ct), b.ints(axes), keepdims=keep, noop_with_empty_axes=0)
+        xv, axes_v = b.t(x, ct), b.ints(axes)
+        red = b.op(op_type, xv, axes_v, keepdims=keep, noop_with_empty_axes=0)
+        if op_type in ("ReduceMax", "ReduceMin") and ct.is_floating_point:
+            # onnxruntime's ReduceMax/ReduceMin skip NaN (an all-NaN group gives -inf/+inf);
+            # aten's amax/amin return NaN for any group holding one. Reduce a NaN mask alongside.
+            flags = _nan_flags(b, xv, ct)
+            hits = b.op("ReduceMax", flags, axes_v, keepdims=keep, noop_with_empty_axes=0)
+            red = _nan_where(b, hits, red, ct)
         return b.cast(red, ct, dt)
 
     return emit
@@ -418,24 +455,75 @@ def _silu(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
 
 
 def _gelu(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
-    """Gelu is opset 20; spell out PyTorch's erf and tanh forms with opset-18 primitives."""
+    """Gelu is opset 20; spell out PyTorch's erf and tanh forms with opset-18 primitives.
+
+    The tanh form, 0.5 * x * (1 + tanh(...)), already matches aten at +-inf and huge x. For
+    the erf form, aten's default kernels (oneDNN for float32, float math for float16) return
+    NaN for gelu(+inf) as well as gelu(-inf), and float32 computes x * (1 + erf) *before*
+    halving, so it overflows to inf for x > FLT_MAX / 2. Match both: multiply in that order for
+    float32, and subtract (x - x), which is NaN exactly at +-inf/NaN and +0 elsewhere
+    (subtracting +0 keeps a -0 result). Costs two elementwise ops. (Eager itself is not
+    consistent: a one-element or strided tensor takes a scalar path with gelu(+inf) = inf;
+    the contiguous default is what a compiled model is compared against.)
+    """
     dt = _dtype(n)
     x = b.t(a["self"], dt)
     if a["approximate"] == "tanh":
         cube = b.op("Mul", b.op("Mul", x, x), x)
         inner = b.op("Add", x, b.op("Mul", cube, b.const(0.044715, dt)))
         core = b.op("Tanh", b.op("Mul", inner, b.const(math.sqrt(2 / math.pi), dt)))
-    else:
-        core = b.op("Erf", b.op("Mul", x, b.const(1 / math.sqrt(2), dt)))
-    half_x = b.op("Mul", x, b.const(0.5, dt))
-    return b.op("Mul", half_x, b.op("Add", core, b.const(1.0, dt)))
+        half_x = b.op("Mul", x, b.const(0.5, dt))
+        return b.op("Mul", half_x, b.op("Add", core, b.const(1.0, dt)))
+    erf = b.op("Erf", b.op("Mul", x, b.const(1 / math.sqrt(2), dt)))
+    erf_1 = b.op("Add", erf, b.const(1.0, dt))
+    nan_at_inf = b.op("Sub", x, x)
+    if dt == torch.float32:
+        scaled = b.op("Sub", b.op("Mul", x, erf_1), nan_at_inf)
+        return b.op("Mul", scaled, b.const(0.5, dt))
+    # float16: aten computes in float32, so halve first to keep x * 2 from overflowing
+    return b.op("Sub", b.op("Mul", b.op("Mul", x, b.const(0.5, dt)), erf_1), nan_at_inf)
+
+
+def _hardswish(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
+    """aten's float32 kernel is x * clamp(x + 3, 0, 6) / 6, which overflows to inf for
+    x > FLT_MAX / 6; ONNX HardSwish (x * clamp(x / 6 + 0.5, 0, 1)) returns x there. Spell out
+    aten's formula for float32 (four elementwise ops instead of one). aten computes float16
+    in float32, where it cannot overflow, so float16 keeps the fused HardSwish (which matches).
+    """
+    dt = _dtype(n)
+    if dt != torch.float32:
+        return _widened(b, n, "HardSwish", a["self"])
+    x = b.t(a["self"], dt)
+    gate = b.op("Clip", b.op("Add", x, b.const(3.0, dt)), b.const(0.0, dt), b.const(6.0, dt))
+    return b.op("Div", b.op("Mul", x, gate), b.const(6.0, dt))
+
+
+def _pow_scalar(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
+    """aten's float32 kernel computes x ** 0.5 as sqrt(x) and x ** -0.5 as rsqrt(x): NaN at
+    -inf and -0 / -inf at -0, where ONNX Pow (C pow) gives inf and +0 / +inf. Emit the same
+    (cheaper) ops; every other exponent already matches Pow. float16 pow is not special-cased
+    by aten, so it stays Pow.
+    """
+    e = a["exponent"]
+    if _dtype(n) == torch.float32 and isinstance(e, float) and e in (0.5, -0.5):
+        root = b.op("Sqrt", b.t(a["self"], torch.float32))
+        return root if e == 0.5 else b.op("Reciprocal", root)
+    return _widened(b, n, "Pow", a["self"], e)
 
 
 def _clip(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     dt = _dtype(n)
     lo = a.get("min", a.get("min_val"))
     hi = a.get("max", a.get("max_val"))
-    return b.op("Clip", b.t(a["self"], dt), b.t(lo, dt), b.t(hi, dt))
+    x = b.t(a["self"], dt)
+    if dt.is_floating_point:
+        if any(isinstance(v, float) and math.isnan(v) for v in (lo, hi)):
+            return b.op("Add", x, b.const(math.nan, dt))  # aten: a NaN bound gives all NaN
+        # onnxruntime fills an omitted bound with the dtype's *finite* extreme, which clamps
+        # +-inf to +-FLT_MAX; aten leaves infinities alone, so pass the open bound as +-inf
+        lo = -math.inf if lo is None else lo
+        hi = math.inf if hi is None else hi
+    return b.op("Clip", x, b.t(lo, dt), b.t(hi, dt))
 
 
 def _where(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
@@ -532,7 +620,35 @@ def _onnx_ceil_mode(sizes: Any) -> int | None:
 
 
 def _max_pool(b: _Builder, n: fx.Node, a: dict[str, Any]) -> list[str]:
-    return [b.op("MaxPool", b.t(a["self"]), **_pool_attrs(n, a)), ""]
+    """MaxPool, plus a cheap second pool over the same windows that finds NaN (and -inf).
+
+    onnxruntime's MaxPool skips NaN where aten returns NaN for every window holding one, and
+    some of its float32 paths start from -FLT_MAX, so a window of only -inf gives -FLT_MAX.
+
+    float32: pool ``code = clip(x * 2**-64, -2**66, 2**64)`` with AveragePool. The code keeps
+    NaN, maps every finite value and +inf into [-2**64, 2**64] (no overflow in the sum, and no
+    subnormals unless |x| < 2**-62) and only -inf to -2**66, so a window's average is NaN
+    exactly when it holds a NaN, and -2**66 exactly when it is all -inf; anything else lies at
+    least 3 * 2**64 / area above that, far beyond float32 rounding for any real kernel size.
+    float16 (whose MaxPool gets -inf right, and whose Clip kernel is slow): max-pool an
+    IsNaN mask. Either way ~three extra passes over the input; finite inputs are unchanged.
+    """
+    attrs = _pool_attrs(n, a)
+    x, dt = b.t(a["self"]), _dtype(a["self"])
+    out = b.op("MaxPool", x, **attrs)
+    if not dt.is_floating_point:
+        return [out, ""]
+    if dt != torch.float32:
+        return [_nan_where(b, b.op("MaxPool", _nan_flags(b, x, dt), **attrs), out, dt), ""]
+    scaled = b.op("Mul", x, b.const(2.0**-64, dt))
+    code = b.op("Clip", scaled, b.const(-(2.0**66), dt), b.const(2.0**64, dt))
+    windows = {k: v for k, v in attrs.items() if k != "dilations"}  # _check_pool: dilation 1
+    avg = b.op("AveragePool", code, count_include_pad=0, **windows)
+    area = math.prod(attrs["kernel_shape"])
+    all_neg_inf = b.op("Less", avg, b.const(-(2.0**64) * (4 - 1.5 / area), dt))
+    out = b.op("Where", all_neg_inf, b.const(-math.inf, dt), out)
+    # ``out`` as Where's second branch: onnxruntime keeps the sign of a -0 there
+    return [b.op("Where", b.op("IsNaN", avg), avg, out), ""]
 
 
 def _avg_pool(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
@@ -604,7 +720,7 @@ LOWERINGS: dict[object, Emitter] = {
     aten.div.Scalar: _arith("Div"),
     aten.div.Tensor_mode: _arith("Div"),  # can_lower admits rounding_mode=None only
     aten.div.Scalar_mode: _arith("Div"),
-    aten.pow.Tensor_Scalar: _binary("Pow"),
+    aten.pow.Tensor_Scalar: _pow_scalar,
     aten.pow.Tensor_Tensor: _binary("Pow"),
     aten.pow.Scalar: _binary("Pow"),
     aten.minimum.default: _binary("Min"),
@@ -625,7 +741,7 @@ LOWERINGS: dict[object, Emitter] = {
     aten.relu.default: _unary("Relu"),
     aten.silu.default: _silu,
     aten.gelu.default: _gelu,
-    aten.hardswish.default: _unary("HardSwish"),
+    aten.hardswish.default: _hardswish,
     aten.hardsigmoid.default: _unary("HardSigmoid", alpha=1 / 6, beta=0.5),
     aten.hardtanh.default: _clip,
     aten.clamp.default: _clip,
@@ -758,6 +874,15 @@ def _check_pool(n: fx.Node) -> str | None:
         return "avg_pool2d divisor_override has no ONNX equivalent"
     if a.get("ceil_mode") and _pool_attrs(n, a)["ceil_mode"] is None:
         return "ceil_mode windows differ between PyTorch and ONNX per spatial dim"
+    dilated = _pair(a.get("dilation", 1), 2) != [1, 1]
+    f32 = _dtype(a["self"]) == torch.float32
+    if n.target == aten.max_pool2d_with_indices.default and dilated and f32:
+        # _max_pool's float32 NaN / -inf check pools with AveragePool, which has no dilations
+        # before opset 19, and onnxruntime's MaxPool alone drops NaN: keep these on the host
+        return (
+            "dilated float32 max_pool2d: onnxruntime's MaxPool skips NaN and the NaN check "
+            "needs AveragePool dilations (opset 19)"
+        )
     if n.target == aten._adaptive_avg_pool2d.default:
         (h, w), (oh, ow) = _shape(a["self"])[-2:], _shape(n)[-2:]
         if h % oh or w % ow:
