@@ -1,4 +1,4 @@
-"""The ``fxpass`` command: ``rules``, ``demo``, ``explain``, ``--version``."""
+"""The ``fxpass`` command: ``rules``, ``--version``, and the commands plugins add."""
 
 from __future__ import annotations
 
@@ -43,43 +43,37 @@ def cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.demo import main as demo_main
-
-    return demo_main(args)
-
-
-def cmd_explain(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.explain import main as explain_main
-
-    return explain_main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fxpass", description=__doc__)
+    """The core's own commands, plus every command a plugin contributes (``fxpass_commands``).
+
+    The core imports no backend: ``demo`` and ``explain`` are the BPU plugin's commands.
+    """
+    from .plugins import load
+
+    commands = load().commands
+    p = argparse.ArgumentParser(
+        prog="fxpass",
+        description=__doc__,
+        epilog="plugin commands: "
+        + (", ".join(f"{n} ({c.plugin})" for n, c in sorted(commands.items())) or "none"),
+    )
     p.add_argument("--version", action="version", version=f"fxpass {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("rules", help="list every loaded rule with its plugin, roots and description")
-    d = sub.add_parser("demo", help="compile a stock HF Qwen3 with backend='fxpass_bpu'")
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--hidden", type=int, default=512)
-    d.add_argument("--tokens", type=int, default=32)
-    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    d.add_argument(
-        "--generate", action="store_true", help="greedy generate() with a static cache instead"
-    )
-    e = sub.add_parser("explain", help="show rewrites, regions and CPU-left nodes for a model")
-    e.add_argument("model", help="built-in name (e.g. qwen3-tiny) or path/to/file.py:factory")
-    e.add_argument("--march", default="nash-p")
-    e.add_argument("--json", action="store_true", help="machine-readable output")
-    e.add_argument("--svg", metavar="FILE", help="draw the graph with regions coloured")
-    e.add_argument("--min-compute-macs", type=int, default=None)
+    for name, c in sorted(commands.items()):
+        if name == "rules":
+            continue  # the core's own command wins; load() already named both plugins
+        c.arguments(sub.add_parser(name, help=f"{c.help} [plugin {c.plugin}]"))
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"rules": cmd_rules, "demo": cmd_demo, "explain": cmd_explain}[args.cmd](args)
+    if args.cmd == "rules":
+        return cmd_rules(args)
+    from .plugins import load
+
+    return load().commands[args.cmd].run(args)
 
 
 if __name__ == "__main__":

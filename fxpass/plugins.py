@@ -1,8 +1,9 @@
 """Plugin discovery: pluggy hookspecs are the contract, the ``fxpass`` entry point group finds them.
 
 A plugin is a plain module with functions named after the hooks (``fxpass_rules``,
-``fxpass_targets``); no decorator is needed. The built-in rules and the BPU target register
-exactly this way in our own ``pyproject.toml``.
+``fxpass_targets``, ``fxpass_commands``); no decorator is needed. The built-in rules and the
+BPU target (with its ``demo`` and ``explain`` commands) register exactly this way in our own
+``pyproject.toml``.
 
 One broken third-party plugin must not break every ``fxpass.load()`` (and with it the
 built-ins): a plugin that fails to import (``SystemExit`` included, ``KeyboardInterrupt``
@@ -25,7 +26,7 @@ import dataclasses
 import inspect
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -48,6 +49,10 @@ class Hooks:
         """Return the rules this plugin provides."""
 
     @hookspec
+    def fxpass_commands(self) -> Sequence[Command]:
+        """Return the ``fxpass`` CLI subcommands this plugin provides."""
+
+    @hookspec
     def fxpass_targets(self) -> Sequence[Target]:
         """Return the backend targets this plugin provides."""
 
@@ -61,6 +66,20 @@ class Target:
     enable: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
+    plugin: str = "<unregistered>"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A ``fxpass NAME`` subcommand contributed by a plugin (the core CLI imports no backend).
+
+    ``arguments(parser)`` adds the command's arguments; ``run(args)`` returns the exit code.
+    """
+
+    name: str
+    help: str
+    arguments: Callable[[Any], None]
+    run: Callable[[Any], int]
     plugin: str = "<unregistered>"
 
 
@@ -89,6 +108,7 @@ class _Manager(pluggy.PluginManager):
 class Registry:
     rules: dict[str, Rule] = field(default_factory=dict)
     targets: dict[str, Target] = field(default_factory=dict)
+    commands: dict[str, Command] = field(default_factory=dict)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (entry point, error)
 
     def add_rules(self, rules: Iterable[Rule], source: str) -> None:
@@ -111,9 +131,18 @@ class Registry:
                 )
             self.targets[t.name] = dataclasses.replace(t, plugin=source)
 
+    def add_commands(self, commands: Iterable[Command], source: str) -> None:
+        for c in commands:
+            if c.name in self.commands:
+                raise ValueError(
+                    f"fxpass command {c.name!r} is registered twice: by "
+                    f"{self.commands[c.name].plugin!r} and by {source!r}"
+                )
+            self.commands[c.name] = dataclasses.replace(c, plugin=source)
+
 
 _cache: dict[tuple[bool, frozenset[str]], Registry] = {}  # per (autoload off, blocked)
-_HOOKS = (("fxpass_rules", Rule), ("fxpass_targets", Target))
+_HOOKS = (("fxpass_rules", Rule), ("fxpass_targets", Target), ("fxpass_commands", Command))
 
 
 def _is_own(dist: str) -> bool:
@@ -149,7 +178,7 @@ def _call_hook(pm: pluggy.PluginManager, plugin: Any, hook: str, kind: type) -> 
     return items
 
 
-def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, list]:
+def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, list, list]:
     """Register ``plugin`` and call its hooks; on any failure it is unregistered again, so a
     plugin contributes everything or nothing."""
     try:
@@ -161,11 +190,12 @@ def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, 
             raise _PluginError(f"{e} (a misspelled hook name? fxpass hooks: {hooks})") from e
         rules = _call_hook(pm, plugin, "fxpass_rules", Rule)
         targets = _call_hook(pm, plugin, "fxpass_targets", Target)
+        commands = _call_hook(pm, plugin, "fxpass_commands", Command)
     except BaseException:
         if pm.is_registered(plugin):  # also when register() failed half-way through its hooks
             pm.unregister(plugin)
         raise
-    return rules, targets
+    return rules, targets, commands
 
 
 def _fail(reg: Registry, source: str, where: str, what: str, e: BaseException) -> None:
@@ -233,12 +263,13 @@ def load(
         if pm.is_registered(mod):
             continue
         try:
-            rules, targets = _collect(pm, mod, source)
+            rules, targets, commands = _collect(pm, mod, source)
         except (Exception, SystemExit) as e:
             _fail(reg, source, where, "broke the hook contract", e)
             continue
         reg.add_rules(rules, source)  # duplicate names across plugins: a ValueError, as before
         reg.add_targets(targets, source)
+        reg.add_commands(commands, source)
     if not extra:
         _cache[key] = reg
     return reg

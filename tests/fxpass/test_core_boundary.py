@@ -1,0 +1,46 @@
+"""The core imports no backend; plugins contribute CLI commands through fxpass_commands."""
+
+import ast
+import types
+from pathlib import Path
+
+from fxpass.cli import build_parser
+from fxpass.plugins import Command, load
+
+CORE = Path(__file__).resolve().parents[2] / "fxpass"
+
+
+def test_no_core_module_imports_a_backend():
+    offenders = []
+    for path in CORE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            offenders += [
+                f"{path.name}: {n}" for n in names if "backends" in n and "torch." not in n
+            ]
+    assert not offenders, offenders
+
+
+def test_bpu_commands_come_from_its_plugin():
+    reg = load()
+    assert {"demo", "explain"} <= set(reg.commands)
+    assert reg.commands["demo"].plugin.endswith(":bpu")
+    help_text = build_parser().format_help()
+    assert "demo (fxpass:bpu)" in help_text and "explain (fxpass:bpu)" in help_text
+
+
+def test_a_third_party_command_registers_with_its_plugin_name():
+    ran = []
+    mod = types.ModuleType("my_cli_plugin")
+    mod.fxpass_commands = lambda: [
+        Command("hello", "say hello", lambda p: p.add_argument("--who"), ran.append)
+    ]
+    reg = load(extra=[mod])
+    cmd = reg.commands["hello"]
+    assert cmd.plugin == "<extra:my_cli_plugin>"
+    cmd.run("args")
+    assert ran == ["args"]
