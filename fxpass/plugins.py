@@ -123,22 +123,21 @@ class Registry:
             self.rules[r.name] = dataclasses.replace(r, plugin=source)
 
     def add_targets(self, targets: Iterable[Target], source: str) -> None:
-        for t in targets:
-            if t.name in self.targets:
-                raise ValueError(
-                    f"target {t.name!r} is registered twice: by {self.targets[t.name].plugin!r} "
-                    f"and by {source!r}"
-                )
-            self.targets[t.name] = dataclasses.replace(t, plugin=source)
+        _add(self.targets, "target", targets, source)
 
     def add_commands(self, commands: Iterable[Command], source: str) -> None:
-        for c in commands:
-            if c.name in self.commands:
-                raise ValueError(
-                    f"fxpass command {c.name!r} is registered twice: by "
-                    f"{self.commands[c.name].plugin!r} and by {source!r}"
-                )
-            self.commands[c.name] = dataclasses.replace(c, plugin=source)
+        _add(self.commands, "fxpass command", commands, source)
+
+
+def _add(table: dict[str, Any], what: str, items: Iterable[Any], source: str) -> None:
+    """Register named items from ``source``; a name taken by another plugin is an error."""
+    for item in items:
+        if item.name in table:
+            raise ValueError(
+                f"{what} {item.name!r} is registered twice: by {table[item.name].plugin!r} "
+                f"and by {source!r}"
+            )
+        table[item.name] = dataclasses.replace(item, plugin=source)
 
 
 _cache: dict[tuple[bool, frozenset[str]], Registry] = {}  # per (autoload off, blocked)

@@ -25,14 +25,11 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main(args: argparse.Namespace) -> int:
-    if getattr(args, "generate", False):
-        return generate_demo(args)
-    import fxpass
+def _qwen3(args: argparse.Namespace, **kw: object) -> tuple[torch.nn.Module, dict]:
     from fxpass.backends.bpu import zoo
 
     heads = max(2, args.hidden // 64)
-    model, kwargs = zoo.get(
+    return zoo.get(
         "qwen3",
         layers=args.layers,
         hidden=args.hidden,
@@ -40,8 +37,16 @@ def main(args: argparse.Namespace) -> int:
         kv_heads=max(1, heads // 2),
         vocab=32000,
         tokens=args.tokens,
-        dtype=getattr(torch, args.dtype),
+        **kw,
     )
+
+
+def main(args: argparse.Namespace) -> int:
+    if getattr(args, "generate", False):
+        return generate_demo(args)
+    import fxpass
+
+    model, kwargs = _qwen3(args, dtype=getattr(torch, args.dtype))
     print(
         f"Qwen3ForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.tokens} tokens, "
         f"{args.dtype}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
@@ -85,28 +90,11 @@ def main(args: argparse.Namespace) -> int:
 def generate_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
     """``fxpass demo --generate``: greedy generate() with a static cache, tokens/s vs eager."""
     import fxpass
-    from fxpass.backends.bpu import compile_for_generate, zoo
+    from fxpass.backends.bpu import compile_for_generate
 
-    heads = max(2, args.hidden // 64)
-    model, kwargs = zoo.get(
-        "qwen3",
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        vocab=32000,
-        tokens=args.tokens,
-    )
+    model, kwargs = _qwen3(args)
     ids = kwargs["input_ids"]
-    eager = zoo.get(
-        "qwen3",
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        vocab=32000,
-        tokens=args.tokens,
-    )[0]
+    eager = _qwen3(args)[0]  # the same seeded weights, left uncompiled
 
     def gen(m: torch.nn.Module, n: int, **kw: object) -> torch.Tensor:
         with torch.no_grad():
