@@ -274,6 +274,13 @@ def load(
     return reg
 
 
+def _failed_plugins(reg: Registry) -> str:
+    """The plugins that failed to load: the likely reason a name is unknown."""
+    if not reg.failures:
+        return ""
+    return "; plugins that failed to load: " + "; ".join(f"{s}: {e}" for s, e in reg.failures)
+
+
 def _names(value: str | Iterable[str] | None) -> list[str]:
     if value is None:
         return []
@@ -300,7 +307,10 @@ def select_rules(
     steps: list[tuple[list[str], list[str], str, str]] = []
     if target is not None:
         if target not in reg.targets:
-            raise ValueError(f"unknown fxpass target {target!r}; known: {sorted(reg.targets)}")
+            raise ValueError(
+                f"unknown fxpass target {target!r}; known: {sorted(reg.targets)}"
+                + _failed_plugins(reg)
+            )
         t = reg.targets[target]
         where = f"target {t.name!r} ({t.plugin})"
         steps.append((list(t.enable), list(t.disable), where, where))
@@ -319,6 +329,7 @@ def select_rules(
             if unknown:
                 raise ValueError(
                     f"unknown rule name(s) {unknown} in {source}; known rules: {sorted(reg.rules)}"
+                    + _failed_plugins(reg)
                 )
         on |= set(en)
         on -= set(dis)

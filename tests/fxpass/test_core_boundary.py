@@ -44,3 +44,13 @@ def test_a_third_party_command_registers_with_its_plugin_name():
     assert cmd.plugin == "<extra:my_cli_plugin>"
     cmd.run("args")
     assert ran == ["args"]
+
+
+def test_unknown_target_error_names_the_plugins_that_failed():
+    import pytest
+
+    from fxpass.plugins import Registry, select_rules
+
+    reg = Registry(failures=[("acme:rules", "ImportError: no module named acme")])
+    with pytest.raises(ValueError, match="plugins that failed to load: acme:rules"):
+        select_rules(reg, target="bpu")
