@@ -15,23 +15,42 @@ a write differ even with equal arguments); an argument is unhashable.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
+import torch
 from torch.fx import GraphModule, Node
 
 from fxpass import graph_rule
-from fxpass.graph import is_pure, is_view, writes
+from fxpass.graph import is_view, writes
 
 
 def _key(x: Any) -> Any:
+    """A hashable stand-in for an argument: lists become tuples (aten's ``int[]``)."""
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, *(_key(i) for i in x))
-    if isinstance(x, dict):
-        return tuple(sorted((k, _key(v)) for k, v in x.items()))
-    if isinstance(x, float) and x != x:  # NaN != NaN: identical NaN constants still match
-        return ("nan",)
-    hash(x)  # TypeError for an unhashable argument: the caller skips the node
-    return (type(x).__name__, x)
+        return tuple(_key(i) for i in x)
+    return x
+
+
+#: aten ops FX itself treats as side-effectful (asserts, profiler marks): never merged
+_SIDE_EFFECTS = frozenset(torch.fx.node._side_effectful_functions)
+
+
+@functools.cache
+def _pure_target(target: Any) -> bool:
+    """Whether calls of ``target`` may merge: no writes, not random (per target, cached:
+    ``Node.is_impure`` per node was most of this rule's cost)."""
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or writes(target):
+        return False  # python callables (setitem, ...) and higher-order ops: never merged
+    if target._schema.is_mutable or target in _SIDE_EFFECTS:
+        return False
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags and not getattr(
+        target, "_nondeterministic_seeded", False
+    )
 
 
 def _written(gm: GraphModule) -> set[Node]:
@@ -73,15 +92,15 @@ def cse(gm: GraphModule, rw) -> bool:
     seen: dict[Any, Node] = {}
     changed = False
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not is_pure(n) or n in written:
+        if n.op != "call_function" or n in written or not _pure_target(n.target):
             continue
-        if any(i in written for i in n.all_input_nodes):
+        if written and any(i in written for i in n.all_input_nodes):
             continue
+        key = (n.target, _key(n.args), tuple((k, _key(v)) for k, v in n.kwargs.items()))
         try:
-            key = (n.target, _key(n.args), _key(n.kwargs))
-        except TypeError:
+            first = seen.setdefault(key, n)
+        except TypeError:  # an unhashable argument
             continue
-        first = seen.setdefault(key, n)
         if first is not n:
             rw.replace(n, first)
             changed = True

@@ -155,3 +155,13 @@ def test_compile_for_generate_rejects_bad_input():
         compile_for_generate(torch.nn.Linear(2, 2), max_cache_len=0)
     with pytest.raises(TypeError, match="generation_config"):
         compile_for_generate(torch.nn.Linear(2, 2), max_cache_len=8)
+
+
+def test_max_new_tokens_past_the_cache_ceiling_recompiles_and_matches(opts):
+    model, ids = _model("qwen3")
+    expected = _generate(model, ids, n=12, cache_implementation="static")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=12, options=opts)  # shorter than 8 + 12
+    assert torch.equal(_generate(model, ids, n=12), expected)
+    reports = _new_reports(before)
+    assert len(reports) == 2 and all(len(r.regions) == 1 for r in reports)
