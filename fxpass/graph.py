@@ -20,6 +20,19 @@ def fake_mode_of(gm: GraphModule) -> Any:
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    modes = {
+        id(m): m
+        for n in gm.graph.nodes
+        if (m := getattr(n.meta.get("val"), "fake_mode", None)) is not None
+    }
+    if len(modes) > 1:
+        raise ValueError(
+            f"this graph's meta['val'] tensors come from {len(modes)} different fake modes, so "
+            "no rule can compute new values in it (PyTorch: 'Mixing fake modes NYI'). That is "
+            "what make_fx(model)(x) on real inputs gives. Capture the graph with "
+            "fxpass.capture(model, *args, **kwargs) (one shared fake mode, weights marked), or "
+            "trace with make_fx under a single FakeTensorMode."
+        )
     vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:

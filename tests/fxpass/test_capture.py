@@ -29,3 +29,15 @@ def test_capture_doc_block_runs():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
     (block,) = [b for b in blocks if "fxpass.capture(" in b]
     exec(compile(block, str(DOC), "exec"), {})
+
+
+def test_mixed_fake_modes_are_named_with_the_fix():
+    import pytest
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    gm = make_fx(model)(torch.randn(2, 8))  # real inputs: each node gets its own fake mode
+    modes = {id(n.meta["val"].fake_mode) for n in gm.graph.nodes if "val" in n.meta}
+    assert len(modes) >= 2, "premise: make_fx on real inputs mixes fake modes"
+    with pytest.raises(ValueError, match="fxpass.capture"):
+        fxpass.PassManager(fxpass.select_rules()).run(gm)
