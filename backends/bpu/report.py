@@ -9,6 +9,9 @@ from fxpass.report import COMPILE_REPORTS as REPORTS  # shared with fxpass.compi
 
 __all__ = ["REPORTS", "GraphReport", "RegionReport"]
 
+#: How many distinct rule skip reasons ``str(report)`` shows (all are in ``report.rules``).
+SHOW_SKIPS = 10
+
 
 @dataclass
 class RegionReport:
@@ -38,7 +41,7 @@ class GraphReport:
     rewrites: dict[str, int] = field(default_factory=dict)
     compile_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    rules: Any = None  # the fxpass Report of the rewrite phase
+    rules: Any = None  # the fxpass Report of the rewrite phase (ledger, skips, times)
 
     @property
     def node_share(self) -> float:
@@ -68,6 +71,14 @@ class GraphReport:
             if r.fusions:
                 fused = ", ".join(f"{k} x{v}" for k, v in sorted(r.fusions.items()))
                 lines.append(f"    host fusions: {fused}")
+        if self.rewrites:
+            top = sorted(self.rewrites.items(), key=lambda kv: -kv[1])
+            lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in top))
+        skips = self.rules.skip_reasons() if self.rules is not None else {}
+        for why, k in sorted(skips.items(), key=lambda kv: -kv[1])[:SHOW_SKIPS]:
+            lines.append(f"  rule skipped x{k}: {why}")
+        if len(skips) > SHOW_SKIPS:
+            lines.append(f"  ... {len(skips) - SHOW_SKIPS} more skip reasons in report.rules")
         for why, k in sorted(self.cpu_reasons.items(), key=lambda kv: -kv[1]):
             lines.append(f"  on CPU x{k}: {why}")
         for d in self.dropped:

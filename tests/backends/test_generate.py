@@ -165,3 +165,12 @@ def test_max_new_tokens_past_the_cache_ceiling_recompiles_and_matches(opts):
     assert torch.equal(_generate(model, ids, n=12), expected)
     reports = _new_reports(before)
     assert len(reports) == 2 and all(len(r.regions) == 1 for r in reports)
+
+
+def test_printed_report_shows_rewrites_per_rule(opts):
+    model, ids = _model("gpt2")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    _generate(model, ids, n=2)
+    text = str(_new_reports(before)[-1])
+    assert "rewrites: " in text and "kv_cache_update x4" in text, text
