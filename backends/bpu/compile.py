@@ -5,6 +5,13 @@ here, tested against a contract fake): ``hbdk4.compiler.onnx.export(proto)`` ->
 ``hbdk4.compiler.convert(module, march)`` -> ``hbdk4.compiler.compile(module, path, march,
 opt=2)``. Executor choice: ``auto`` = the board (hbdnn) when both hbdk4 and the board runtime
 import, else the host (onnxruntime); ``hbdnn`` and ``onnxruntime`` force one.
+
+Quantization (issue 11, docs/quantization.md) is opt-in on the host and required on the
+board: the tensor engine takes integer inputs only, and ``convert`` puts a float MAC op on the
+board's CPU. A quantized region starts as the float lowering on the host (a
+``QuantizingExecutor``); ``calibrate()`` records its inputs, and only the calibrated QDQ model
+reaches hbdk4 ``export -> convert -> compile`` (or the host session). Its cache key adds the
+config and the calibration ranges' digest to the float region's key.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from typing import Any
 
 import onnx
 
+from fxpass.backends.bpu import quantize as Q
 from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.host import fuse_for_ort
 from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.region import RegionGraph
@@ -80,10 +89,13 @@ def compile_region(
     kind = resolve_executor(executor)
     key = region_key(rg.gm, march=march, executor=kind, options=options)
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
-    if kind == "onnxruntime":
-        fuse = options.get("host_fusions", True)
-        return _compile_ort(rg, name, key, input_names, cache, threads, fuse)
-    return _compile_hbm(rg, name, key, input_names, march, cache)
+    cfg = Q.resolve_config(options.get("quantize"))
+    if cfg is None and kind == "hbdnn":  # the board needs integer MAC inputs (FACTS.md)
+        cfg = Q.CONFIGS[Q.DEFAULT_CONFIG]
+    if cfg is not None:
+        return _compile_quantizing(rg, name, key, input_names, march, kind, cfg, cache, threads)
+    fuse = options.get("host_fusions", True)
+    return _compile_ort(rg, name, key, input_names, cache, threads, fuse)
 
 
 def _compile_ort(
@@ -148,29 +160,141 @@ def _warn_unloadable(path: os.PathLike, e: Exception) -> None:
     )
 
 
-def _compile_hbm(
+def _compile_quantizing(
     rg: RegionGraph,
     name: str,
     key: str,
     input_names: list[str],
     march: str,
+    kind: str,
+    cfg: Q.QuantConfig,
     cache: ArtifactCache | None,
+    threads: int | None,
 ) -> Compiled:
-    """Compile (or load) the region's ``.hbm``; the board runtime loads it from a path.
+    """A region that runs its float lowering on the host until ``calibrate()`` quantizes it.
+
+    The float model is the plain lowering (no host fusions): the QDQ model must be the graph
+    the board gets, and onnxruntime's own QDQ fusions turn it into integer kernels on the host.
+    """
+    proto = lower(rg.gm, name=name)
+    data = proto.SerializeToString()
+    float_ex = OrtExecutor(data, input_names, threads=threads)
+    info = QuantInfo(region=name, config=cfg.name, march=march, target=kind)
+
+    def build(digest: str, make_qdq: Any) -> tuple[Any, bool, dict]:
+        qkey = quantized_key(key, cfg, digest)
+        info.key = qkey
+        if kind == "hbdnn":
+            return _quantized_hbm(name, qkey, input_names, march, cache, make_qdq)
+        return _quantized_ort(qkey, input_names, march, cache, threads, make_qdq)
+
+    ex = QuantizingExecutor(info, proto, float_ex, cfg, build)
+    return Compiled(ex, key, False, len(data))
+
+
+def quantized_key(float_key: str, cfg: Q.QuantConfig, digest: str) -> str:
+    """The quantized artifact's key: the float region's key (graph, weights, march, options,
+    tools) plus the quantization config and the digest of the calibration ranges."""
+    import hashlib
+
+    text = json.dumps([float_key, cfg.key(), digest], sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=24).hexdigest()
+
+
+def _summary(cache: ArtifactCache | None, key: str) -> dict | None:
+    raw = cache.get(key, ".quant.json") if cache is not None else None
+    try:
+        s = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return s if isinstance(s, dict) else None
+
+
+def _quantized_ort(
+    key: str,
+    input_names: list[str],
+    march: str,
+    cache: ArtifactCache | None,
+    threads: int | None,
+    make_qdq: Any,
+) -> tuple[Any, bool, dict]:
+    """Host session of the QDQ model (onnxruntime fuses it into integer kernels), cached."""
+    summary = _summary(cache, key)
+    if cache is not None and summary is not None:
+        data = cache.get(key, ".ort.onnx")
+        if data is not None:
+            try:
+                return OrtExecutor(data, input_names, threads, preoptimized=True), True, summary
+            except Exception as e:  # noqa: BLE001 - a cached entry that does not load: rebuild
+                _warn_unloadable(cache.path(key, ".ort.onnx"), e)
+    qdq = make_qdq()
+    summary = Q.summarize(qdq, march)
+    data = qdq.SerializeToString()
+    if cache is None:
+        return OrtExecutor(data, input_names, threads=threads), False, summary
+    with tempfile.TemporaryDirectory() as tmp:
+        opt = os.path.join(tmp, "opt.onnx")
+        ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)
+        with open(opt, "rb") as f:
+            optimized = f.read()
+    if cache.put(key, ".ort.onnx", optimized) is not None:
+        cache.put(key, ".quant.json", json.dumps(summary).encode())
+    return ex, False, summary
+
+
+def _quantized_hbm(
+    name: str,
+    key: str,
+    input_names: list[str],
+    march: str,
+    cache: ArtifactCache | None,
+    make_qdq: Any,
+) -> tuple[Any, bool, dict]:
+    """The calibrated QDQ model through hbdk4, after checking every MAC op is dequantized."""
+    summary = _summary(cache, key)
+    if summary is not None:
+        c = _compile_hbm(None, name, key, input_names, march, cache, lookup_only=True)
+        if c is not None:
+            return c.executor, True, summary
+    qdq = make_qdq()
+    summary = Q.summarize(qdq, march)
+    if summary["float_mac"]:
+        raise Q.QuantizationError(
+            f"region {name}: these MAC ops have float inputs after quantization and would run "
+            f"on the board's CPU: {summary['float_mac'][:5]}; this is a bug in the "
+            "integer-input table (quantize.INTEGER_INPUT_OPS) for this op"
+        )
+    c = _compile_hbm(qdq, name, key, input_names, march, cache)
+    if cache is not None:
+        cache.put(key, ".quant.json", json.dumps(summary).encode())
+    return c.executor, False, summary
+
+
+def _compile_hbm(
+    proto: onnx.ModelProto | None,
+    name: str,
+    key: str,
+    input_names: list[str],
+    march: str,
+    cache: ArtifactCache | None,
+    lookup_only: bool = False,
+) -> Compiled | None:
+    """Compile (or load) a quantized region's ``.hbm``; the board runtime loads it from a path.
 
     With the cache disabled (``cache=False``) or unwritable, the ``.hbm`` lives in a private
     temporary directory owned by the executor, removed when the executor is collected; the
-    user cache is never written then.
+    user cache is never written then. ``lookup_only``: a verified cache hit, or None.
     """
-    from hbdk4 import compiler as hb
-
     if cache is not None and cache.get(key, ".hbm") is not None:
         path = cache.path(key, ".hbm")
         try:
             return Compiled(HbmExecutor(str(path), input_names), key, True, path.stat().st_size)
         except Exception as e:  # noqa: BLE001 - e.g. evicted meanwhile: rebuild it
             _warn_unloadable(path, e)
-    proto: onnx.ModelProto = lower(rg.gm, name=name)
+    if lookup_only or proto is None:
+        return None
+    from hbdk4 import compiler as hb
+
     module = hb.onnx.export(proto, name=name)
     module = hb.convert(module, march)
     tmp = tempfile.TemporaryDirectory(prefix=f"fxpass-{name}-")
