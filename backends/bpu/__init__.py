@@ -1,5 +1,6 @@
 """The BPU backend plugin: ``torch.compile(model, backend="fxpass_bpu")`` and its helpers."""
 
+from fxpass.backends.bpu.calibration import calibrate
 from fxpass.backends.bpu.generation import compile_for_generate
 
-__all__ = ["compile_for_generate"]
+__all__ = ["calibrate", "compile_for_generate"]

@@ -64,6 +64,13 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "check": (bool, "run rule contract checks while compiling"),
     "threads": ((int, type(None)), "onnxruntime intra-op threads"),
     "host_fusions": (bool, "onnxscript's onnxruntime fusions on host regions (default True)"),
+    "quantize": (
+        (str, dict, bool, type(None)),
+        "quantize regions: 'w8a16' (int8 per-channel weights, int16 activations), 'w8a8', "
+        "True (w8a16) or {'config', 'method', 'percentile'}; calibrate with "
+        "fxpass.backends.bpu.calibrate(fn, batches) (default None on the host; the board "
+        "always quantizes)",
+    ),
     "freeze_weights": (
         bool,
         "bake weights into artifacts, guarded (default True); False "
@@ -113,6 +120,12 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     opts.setdefault("check", False)
     opts.setdefault("freeze_weights", True)
     opts.setdefault("host_fusions", True)
+    from fxpass.backends.bpu.quantize import QuantizationError, resolve_config
+
+    try:  # a bad quantize value fails here, not per region
+        resolve_config(opts.get("quantize"))
+    except QuantizationError as e:
+        raise TypeError(f"fxpass_bpu option 'quantize': {e}") from None
     select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
     return opts
 
@@ -266,7 +279,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
                 march=m.name,
                 executor=kind,
                 cache=cache,
-                options={k: opts.get(k) for k in ("enable", "disable", "host_fusions")},
+                options={k: opts.get(k) for k in ("enable", "disable", "host_fusions", "quantize")},
                 threads=opts.get("threads"),
             )
             inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
@@ -294,6 +307,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
                 kind,
                 c.cached,
                 fusions=c.fusions,
+                quant=getattr(c.executor, "info", None),
             )
         )
         report.offloaded_call_nodes += sum(1 for n in r.nodes if n.target is not getitem)

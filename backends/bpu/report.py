@@ -24,6 +24,7 @@ class RegionReport:
     cached: bool
     fallback: str | None = None
     fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
+    quant: Any = None  # calibration.QuantInfo when the region is quantized (issue 11)
 
 
 @dataclass
@@ -71,6 +72,8 @@ class GraphReport:
             if r.fusions:
                 fused = ", ".join(f"{k} x{v}" for k, v in sorted(r.fusions.items()))
                 lines.append(f"    host fusions: {fused}")
+            if r.quant is not None:
+                lines.append(f"    {r.quant.line()}")
         if self.rewrites:
             top = sorted(self.rewrites.items(), key=lambda kv: -kv[1])
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in top))
