@@ -1,0 +1,18 @@
+"""Lower a BPU region (a small aten FX GraphModule) to a validated ONNX model.
+
+Modules, each readable in one sitting:
+
+* :mod:`.table`: ``OPS``, the one table (op -> emitter, family, check, tuple outputs), and
+  :class:`.table.Reasons`, the one function that says why a node cannot run in a region; the
+  partitioner and the lowering both ask it;
+* :mod:`.checks`: value and argument checks the reason function reads;
+* :mod:`.builder`: the ONNX builder and the helpers emitters share;
+* :mod:`.emitters`, :mod:`.nn`: the emitters;
+* :mod:`.driver`: :func:`lower`.
+"""
+
+from fxpass.backends.bpu.lowering.builder import LoweringError
+from fxpass.backends.bpu.lowering.driver import lower
+from fxpass.backends.bpu.lowering.table import FAMILIES, LOWERINGS, OPS, Op, Reasons, can_lower
+
+__all__ = ["FAMILIES", "LOWERINGS", "OPS", "LoweringError", "Op", "Reasons", "can_lower", "lower"]

@@ -1,0 +1,152 @@
+"""The lowering driver: a region GraphModule -> a checked ONNX model that matches eager.
+
+Walks the live nodes in order, asks the one reason function (:class:`.table.Reasons`) about
+each, runs the node's emitter from ``OPS``, writes weights as initializers, and then lets ONNX
+strict shape inference and the full checker confirm every value has a static shape and a
+dtype that agrees with ``meta["val"]``. A disagreement is a lowering bug and is raised, never
+papered over.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import onnx
+import torch
+from onnx import helper, numpy_helper
+from torch import fx
+
+from fxpass.backends.bpu.lowering.builder import (
+    _ONNX_DTYPE,
+    LoweringError,
+    _Builder,
+    _fetch_attr,
+    _target_name,
+    _val,
+)
+from fxpass.backends.bpu.lowering.table import OPS, Reasons
+
+
+def _fail(node: fx.Node, reason: str) -> LoweringError:
+    return LoweringError(
+        f"cannot lower node '{node.name}' ({_target_name(node.target)}): {reason}. Keep it out of "
+        "the BPU region (can_lower() reports this) or add an entry to OPS in "
+        "backends/bpu/lowering/table.py."
+    )
+
+
+def _tensor_info(name: str, v: torch.Tensor) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, _ONNX_DTYPE[v.dtype], [int(d) for d in v.shape])
+
+
+def _live_nodes(results: list[Any]) -> set[fx.Node]:
+    live: set[fx.Node] = set()
+    stack = [r for r in results if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live
+
+
+def _add_weight(b: _Builder, n: fx.Node) -> str:
+    name = str(n.target)
+    if name not in b.inits:
+        value = _fetch_attr(n)
+        if not isinstance(value, torch.Tensor):
+            raise _fail(n, f"attribute is a {type(value).__name__}, not a tensor")
+        array = value.detach().cpu().contiguous().numpy()
+        b.inits[name] = numpy_helper.from_array(array, name)
+    return name
+
+
+def _is_static(vi: onnx.ValueInfoProto | None) -> bool:
+    tensor_type = vi.type.tensor_type if vi is not None else None
+    return bool(
+        tensor_type
+        and tensor_type.HasField("shape")
+        and all(d.HasField("dim_value") for d in tensor_type.shape.dim)
+    )
+
+
+def _check_static(model: onnx.ModelProto) -> None:
+    g = model.graph
+    known = {vi.name: vi for vi in [*g.value_info, *g.output]}
+    for nd in g.node:
+        for out in filter(None, nd.output):
+            if not _is_static(known.get(out)):
+                raise LoweringError(
+                    f"ONNX node '{nd.name}' ({nd.op_type}) output '{out}' has no static shape "
+                    "after shape inference; fix its emitter in backends/bpu/lowering/"
+                )
+
+
+def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.ModelProto:
+    """Lower a region GraphModule to a checked ONNX model that matches eager PyTorch.
+
+    Graph inputs are the placeholders (same names and order), outputs are ``out0..outN-1``,
+    get_attr constants become initializers named after their attribute, and every
+    intermediate carries its static dtype/shape. Nodes not needed by the outputs are ignored.
+    """
+    if opset < 18:
+        raise LoweringError(f"opset {opset} is too old: emitters use opset-18 forms; use >= 18")
+    b, reasons = _Builder(), Reasons()
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    res = out_node.args[0]
+    results = list(res) if isinstance(res, tuple | list) else [res]
+    live = _live_nodes(results)
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and (n not in live or n.op == "output"):
+            continue
+        reason = reasons(n)
+        if reason:
+            raise _fail(n, reason)
+        if n.op == "placeholder":
+            inputs.append(_tensor_info(n.name, _val(n)))
+            b.names[n] = n.name
+        elif n.op == "get_attr":
+            b.names[n] = _add_weight(b, n)
+        elif n.target is operator.getitem:
+            src, idx = n.args
+            b.names[n] = b.tuples[src][idx]
+            if not b.names[n]:
+                raise _fail(n, f"element {idx} was not produced by the emitter of '{src.name}'")
+        else:
+            b.emit(n, OPS[n.target].emit)
+
+    outputs = []
+    for k, r in enumerate(results):
+        if not isinstance(r, fx.Node) or not isinstance(_val(r), torch.Tensor):
+            raise LoweringError(f"region '{name}' output {k} is {r!r}, not a tensor node")
+        b.nodes.append(helper.make_node("Identity", [b.names[r]], [f"out{k}"], name=f"out{k}"))
+        outputs.append(_tensor_info(f"out{k}", _val(r)))
+
+    graph = helper.make_graph(
+        b.nodes,
+        name,
+        inputs,
+        outputs,
+        initializer=list(b.inits.values()),
+        value_info=[_tensor_info(k, v) for k, v in b.declared.items()],
+    )
+    opsets = [helper.make_opsetid("", opset)]
+    model = helper.make_model(
+        graph,
+        opset_imports=opsets,
+        producer_name="fxpass.bpu",
+        ir_version=helper.find_min_ir_version_for(opsets),
+    )
+    try:
+        # strict inference fills in helper values and rejects any disagreement with meta["val"]
+        model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        _check_static(model)
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
+        raise LoweringError(
+            f"region '{name}' lowered to an invalid ONNX model ({e}); this is a bug in an "
+            "emitter in backends/bpu/lowering/ — the failing node name is the FX node name"
+        ) from e
+    return model
