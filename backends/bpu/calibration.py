@@ -187,13 +187,15 @@ def _call(model: Callable, batch: Any) -> Any:
     return model(batch)
 
 
-def calibrate(model: Callable, batches: Iterable[Any]) -> list[QuantInfo]:
+def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) -> list[QuantInfo]:
     """Calibrate and quantize every region of ``model`` (a ``torch.compile``d callable with
     ``options={"quantize": ...}``) on ``batches``; returns each region's :class:`QuantInfo`.
 
     A batch is a dict (keyword arguments), a tuple/list (positional) or a tensor. All batches
     must share shapes and dtypes (static shapes: one compiled graph per shape), be finite, and
-    there must be at least one.
+    there must be at least one. Bad data raises :class:`~fxpass.backends.bpu.quantize.
+    QuantizationError`. A region whose quantized artifact fails to build (hbdk4 refuses it,
+    say) keeps running its float model with a warning, or raises with ``strict=True``.
     """
     batches = list(batches)
     check_batches(batches)
@@ -212,4 +214,22 @@ def calibrate(model: Callable, batches: Iterable[Any]) -> list[QuantInfo]:
             "'w8a8'), and check with print(fxpass.compile_reports()[-1]) that regions exist "
             "(regions below min_compute_macs stay in PyTorch and need no calibration)"
         )
-    return [ex.finish(s) for ex, s in session.samples.items()]
+    infos = []
+    for ex, s in session.samples.items():
+        try:
+            infos.append(ex.finish(s))
+        except Q.QuantizationError:
+            raise
+        except Exception as e:
+            if strict:
+                raise RuntimeError(
+                    f"fxpass_bpu region {ex.info.region} failed to quantize: {e}"
+                ) from e
+            ex.info.state = f"failed, runs float: {type(e).__name__}: {e}"
+            warnings.warn(
+                f"fxpass_bpu region {ex.info.region} could not be quantized and keeps running "
+                f"its float model on the host: {type(e).__name__}: {e}",
+                stacklevel=2,
+            )
+            infos.append(ex.info)
+    return infos

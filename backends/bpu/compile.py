@@ -259,7 +259,7 @@ def _quantized_hbm(
     qdq = make_qdq()
     summary = Q.summarize(qdq, march)
     if summary["float_mac"]:
-        raise Q.QuantizationError(
+        raise Q.FloatMacError(
             f"region {name}: these MAC ops have float inputs after quantization and would run "
             f"on the board's CPU: {summary['float_mac'][:5]}; this is a bug in the "
             "integer-input table (quantize.INTEGER_INPUT_OPS) for this op"

@@ -20,8 +20,10 @@ Two steps with a digest in between, so the cache key can cover the calibration:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from collections import Counter
@@ -64,6 +66,10 @@ METHODS = ("minmax", "percentile", "entropy")
 
 class QuantizationError(ValueError):
     """Quantization cannot proceed; the message names the cause and the fix."""
+
+
+class FloatMacError(RuntimeError):
+    """A board-bound MAC op kept float inputs: ``convert`` would place it on the board's CPU."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,25 @@ def integer_input_ops(march: str) -> tuple[str, ...]:
             f"no integer-input table for march {march!r}; known: {sorted(INTEGER_INPUT_OPS)}"
         )
     return INTEGER_INPUT_OPS[march]
+
+
+class _QuietOrt(logging.Filter):
+    """onnxruntime's quantizer logs advice to the root logger on every call ("consider
+    pre-processing", "updating to opset 21" for int16): expected here, so not shown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "quantization" not in record.pathname.replace("\\", "/")
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    f = _QuietOrt()
+    root = logging.getLogger()
+    root.addFilter(f)
+    try:
+        yield
+    finally:
+        root.removeFilter(f)
 
 
 class _Reader:
@@ -222,8 +247,9 @@ def calibrate_ranges(
             providers=["CPUExecutionProvider"],
             extra_options=_calib_options(cfg),
         )
-        cal.collect_data(_Reader(feeds))
-        ranges = cal.compute_data()
+        with _quiet():
+            cal.collect_data(_Reader(feeds))
+            ranges = cal.compute_data()
         out = os.path.join(tmp, "ranges.json")
         save_tensors_data(ranges, out)
         with open(out) as f:
@@ -249,24 +275,25 @@ def quantize_model(
         with open(cache, "w") as f:
             json.dump(ranges, f)
         out = os.path.join(tmp, "qdq.onnx")
-        quantize_static(
-            proto,
-            out,
-            calibration_data_reader=None,
-            calibration_cache_path=cache,
-            quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=list(integer_input_ops(march)),
-            per_channel=True,
-            activation_type=act,
-            weight_type=wt,
-            calibrate_method=method,
-            extra_options={
-                "ActivationSymmetric": True,
-                "WeightSymmetric": True,
-                # MatMul weights are [K, N]: one scale per output column N
-                "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
-            },
-        )
+        with _quiet():
+            quantize_static(
+                proto,
+                out,
+                calibration_data_reader=None,
+                calibration_cache_path=cache,
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=list(integer_input_ops(march)),
+                per_channel=True,
+                activation_type=act,
+                weight_type=wt,
+                calibrate_method=method,
+                extra_options={
+                    "ActivationSymmetric": True,
+                    "WeightSymmetric": True,
+                    # MatMul weights are [K, N]: one scale per output column N
+                    "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+                },
+            )
         q = onnx.load(out)
     q = onnx.shape_inference.infer_shapes(q, strict_mode=True)
     q.graph.name = proto.graph.name

@@ -2,16 +2,21 @@
 
 It checks every call against the documented API (../shared/bpu/FACTS.md) and records it:
 ``onnx.export`` takes a loaded ModelProto with shapes recorded on every value;
-``convert(module, march)`` takes export's module and a known march; ``compile(module, path,
-march, opt=2)`` takes convert's module, the same march and a ``.hbm`` path in an existing
-directory. The "compiled" artifact embeds the ONNX model, and the fake runtime runs it with
-onnxruntime after checking input names, dtypes and shapes as the board runtime does, so
-results are real numbers, not canned ones.
+``convert(module, march)`` takes export's module and a known march, and places each op as the
+real one does: a tensor-engine op (Conv/ConvTranspose/MatMul/Gemm) whose data inputs are not
+dequantized (no Q/DQ) is float, which the real ``convert`` places on the CPU
+("external_cpu", FACTS.md); the fake reports that as a ``FloatMacError`` (a board-bound model
+must never do it), and with ``advice=True`` writes the per-op placement to ``advice_path``;
+``compile(module, path, march, opt=2)`` takes convert's module, the same march and a
+``.hbm`` path in an existing directory. The "compiled" artifact embeds the ONNX model, and
+the fake runtime runs it with onnxruntime after checking input names, dtypes and shapes as
+the board runtime does, so results are real numbers, not canned ones.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import os
 import sys
 import types
@@ -24,10 +29,18 @@ MAGIC = b"FAKEHBM1"
 MARCHES = {"nash-e", "nash-m", "nash-p", "nash-h"}
 
 
+TENSOR_ENGINE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
+
+
+class FloatMacError(AssertionError):
+    """A MAC op without Q/DQ on its inputs reached convert(): it would run on the board's CPU."""
+
+
 @dataclass
 class Recorder:
     calls: list[tuple] = field(default_factory=list)
     fail_compile: bool = False
+    placement: list[dict] = field(default_factory=list)  # convert()'s per-op placement
 
 
 REC = Recorder()
@@ -59,12 +72,42 @@ def export(proto, *, name=None):
     return Module(proto, "exported")
 
 
+def placement(proto: onnx.ModelProto) -> list[dict]:
+    """Per op: "bpu", or "external_cpu" with the reason, for tensor-engine ops."""
+    g = proto.graph
+    producer = {o: n for n in g.node for o in n.output}
+    out = []
+    for n in g.node:
+        where, why = "bpu", ""
+        if n.op_type in TENSOR_ENGINE:
+            floats = [
+                i
+                for i in n.input[:2]
+                if getattr(producer.get(i), "op_type", "") != "DequantizeLinear"
+            ]
+            if floats:
+                where, why = "external_cpu", f"float input(s) {floats}: no Q/DQ"
+        out.append({"op": n.op_type, "name": n.name or n.output[0], "place": where, "why": why})
+    return out
+
+
 def convert(module, march, advice=False, advice_path=""):
     assert isinstance(module, Module) and module.stage == "exported", (
         "convert takes export()'s module"
     )
     assert march in MARCHES, f"unknown march {march!r}"
+    assert isinstance(advice, bool) and isinstance(advice_path, str)
     REC.calls.append(("convert", march))
+    REC.placement = placement(module.proto)
+    if advice and advice_path:
+        with open(advice_path, "w") as f:
+            json.dump(REC.placement, f)
+    cpu = [p for p in REC.placement if p["place"] == "external_cpu"]
+    if cpu:
+        raise FloatMacError(
+            f"{len(cpu)} MAC op(s) would be placed on the CPU, not the BPU: "
+            + "; ".join(f"{p['op']} {p['name']}: {p['why']}" for p in cpu[:5])
+        )
     return Module(module.proto, "converted", march)
 
 
@@ -106,6 +149,7 @@ class HB_HBMRuntime:  # noqa: N801 - the board runtime's name
             "tensor(bool)": np.bool_,
             "tensor(int32)": np.int32,
             "tensor(int8)": np.int8,
+            "tensor(int16)": np.int16,
         }
         self.input_dtypes = {m: {i.name: types_.get(i.type) for i in ins}}
         self.output_names = {m: [o.name for o in self.session.get_outputs()]}
@@ -128,6 +172,7 @@ def install(monkeypatch) -> Recorder:
     """Put the fakes in sys.modules (with specs, so importlib.util.find_spec sees them)."""
     REC.calls.clear()
     REC.fail_compile = False
+    REC.placement = []
 
     def mod(name):
         m = types.ModuleType(name)
