@@ -31,6 +31,12 @@ class Rule:
     # Optional cheap whole-graph gate, checked once per run: a rule that cannot apply to this
     # graph (no BF16 anywhere, say) is left out of the index instead of tried on every node.
     applies: Callable[[Any], bool] | None = None
+    # Targets (by name) this rule joins even when it is off by default: a plugin's way to add
+    # a rule to a target another plugin owns (``@rule(..., targets=["bpu"])``).
+    targets: frozenset[str] = field(default_factory=frozenset)
+    # The declarative pattern the rule was built from (fxpass.pattern), if any: the test kit
+    # generates graphs around it.
+    pattern: Any = None
 
     def __call__(self, node: Any, rewriter: Any) -> bool:
         return bool(self.fn(node, rewriter))
@@ -51,12 +57,24 @@ def rule(
     description: str | None = None,
     default: bool = True,
     tags: Iterable[str] = (),
+    targets: Iterable[str] = (),
     applies: Callable[[Any], bool] | None = None,
 ) -> Callable[[NodeFn], Rule]:
     """Decorate ``fn(node, rw) -> bool`` into a :class:`Rule` rooted at ``roots``.
 
-    With no roots the rule is tried on every node. The first paragraph of the docstring is
-    the description ``fxpass rules`` prints.
+    - ``roots``: the op overloads the rule is offered (the driver indexes rules by
+      ``node.target``); with none, the rule is tried on every node (slow path).
+    - ``priority``: among the rules rooted at one op, higher tries first; the first that
+      fires wins that visit (ties keep registration order).
+    - ``default``: on unless a target or the user disables it; ``default=False`` rules run
+      only where a target (``Target.enable``/``enable_tags``, or the rule's ``targets``) or
+      the user (``enable=``, ``FXPASS_ENABLE``) turns them on.
+    - ``tags``: free-form labels a target can select by (``Target(enable_tags=...)``).
+    - ``targets``: target names this rule joins (a plugin adding a rule to ``bpu``).
+    - ``applies(gm) -> bool``: a cheap whole-graph gate, called once per run with the
+      GraphModule; a rule that cannot apply is left out of the index for that run.
+
+    The first paragraph of the docstring is the description ``fxpass rules`` prints.
     """
 
     def wrap(fn: NodeFn) -> Rule:
@@ -68,6 +86,7 @@ def rule(
             description=_describe(fn, description),
             default=default,
             tags=frozenset(tags),
+            targets=frozenset(targets),
             applies=applies,
         )
 
@@ -81,6 +100,7 @@ def graph_rule(
     description: str | None = None,
     default: bool = True,
     tags: Iterable[str] = (),
+    targets: Iterable[str] = (),
 ) -> Callable[[NodeFn], Rule]:
     """Decorate ``fn(graph_module, rw) -> bool`` into a graph-level :class:`Rule`.
 
@@ -98,6 +118,7 @@ def graph_rule(
             graph_level=True,
             default=default,
             tags=frozenset(tags),
+            targets=frozenset(targets),
         )
 
     return wrap

@@ -26,7 +26,8 @@ import torch
 from torch.fx.node import map_arg
 
 from fxpass import rule
-from fxpass.rules._util import CAST, aten, cast_to, prims, writes
+from fxpass.pattern import P, Var, pattern_rule
+from fxpass.rules._util import CAST, aten, prims, writes
 
 BF16, F32 = torch.bfloat16, torch.float32
 UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)
@@ -110,16 +111,14 @@ def _back(rw, new, old_val):
     return new
 
 
-@rule(CAST, name="bf16_cast_cancel", default=False, applies=_graph_has_bf16)
-def bf16_cast_cancel(node, rw):
+#: cast(cast(x_f32, bf16), f32); the inner cast may have other users (it is only read)
+ROUND_TRIP = P(CAST, P(CAST, Var("x", dtype=F32), dtype=BF16, name="down", shared=True), dtype=F32)
+
+
+@pattern_rule(ROUND_TRIP, name="bf16_cast_cancel", default=False, applies=_graph_has_bf16)
+def bf16_cast_cancel(rw, m):
     """cast(cast(x_f32, bf16), f32) -> x_f32 when bf16_promotion added either cast: the
     round trip exists only because promotion moved one side to F32."""
-    src = node.args[0]
-    if cast_to(node) != F32 or not isinstance(src, torch.fx.Node) or cast_to(src) != BF16:
-        return False
-    if not (node.meta.get(UP) or src.meta.get(UP)):
-        return False  # both casts are the model's own: its bf16 rounding is kept
-    if src.args[0].meta["val"].dtype != F32:
-        return False
-    rw.replace(node, src.args[0])
-    return True
+    if m.root.meta.get(UP) or m.down.meta.get(UP):
+        return m.x
+    return None  # both casts are the model's own: its bf16 rounding is kept

@@ -1,10 +1,20 @@
 """Property-testing kit for rule authors: strategies for aten graphs and ``check_rule``."""
 
-from .check import TOLERANCE, assert_outputs_close, check_meta, check_rule, random_inputs
-from .strategies import DEFAULT_OPS, VOCAB, Op, T, aten_graphs, traced_graphs
+from .check import (
+    DEFAULT_EXAMPLES,
+    SPECIAL_VALUES,
+    TOLERANCE,
+    assert_outputs_close,
+    check_meta,
+    check_rule,
+    random_inputs,
+)
+from .strategies import DEFAULT_OPS, VOCAB, Op, T, aten_graphs, pattern_graphs, traced_graphs
 
 __all__ = [
+    "DEFAULT_EXAMPLES",
     "DEFAULT_OPS",
+    "SPECIAL_VALUES",
     "TOLERANCE",
     "VOCAB",
     "Op",
@@ -13,6 +23,7 @@ __all__ = [
     "aten_graphs",
     "check_meta",
     "check_rule",
+    "pattern_graphs",
     "random_inputs",
     "traced_graphs",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -15,6 +16,11 @@ from torch.fx import GraphModule, Node
 from ..passmanager import PassManager
 from ..rule import Rule
 
+#: Examples per ``check_rule`` call. Each is a graph run a few times; 100 keeps a typical
+#: rule's check to a few seconds and finds bugs that need a rare combination (a shared
+#: inner value, a special value where the pattern is).
+DEFAULT_EXAMPLES = 100
+
 #: (rtol, atol) per dtype; atol is scaled by the output's magnitude (max(1, max|x|)).
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-9, 1e-9),
@@ -24,15 +30,31 @@ TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-def random_inputs(gm: GraphModule, seed: int) -> list[torch.Tensor]:
-    """Real inputs matching the placeholders' ``meta['val']`` (normal floats, small ints, bools)."""
+#: The IEEE values where rewrites that are equal "in real arithmetic" differ: a rule turning
+#: ``maximum(a, b)`` into ``where(a > b, a, b)`` is wrong only on NaN.
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0)
+
+
+def random_inputs(gm: GraphModule, seed: int, special: bool = False) -> list[torch.Tensor]:
+    """Real inputs matching the placeholders' ``meta['val']`` (normal floats, small ints, bools).
+
+    With ``special``, about one float element in four (chosen by ``seed``) is replaced by NaN,
+    +-Inf or +-0 (:data:`SPECIAL_VALUES`), and one element of each float input is NaN.
+    """
     gen = torch.Generator().manual_seed(seed)
     out = []
     for p in gm.graph.find_nodes(op="placeholder"):
         v = p.meta["val"]
         shape = tuple(int(s) for s in v.shape)
         if v.dtype.is_floating_point:
-            out.append(torch.randn(shape, generator=gen, dtype=torch.float32).to(v.dtype))
+            x = torch.randn(shape, generator=gen, dtype=torch.float32)
+            if special and x.numel():
+                pick = torch.rand(shape, generator=gen) < 0.25
+                which = torch.randint(0, len(SPECIAL_VALUES), shape, generator=gen)
+                x = torch.where(pick, torch.tensor(SPECIAL_VALUES)[which], x)
+                # one NaN per input for sure: the value rewrites most often get wrong
+                x.view(-1)[int(torch.randint(0, x.numel(), (1,), generator=gen))] = math.nan
+            out.append(x.to(v.dtype))
         elif v.dtype == torch.bool:
             out.append(torch.randint(0, 2, shape, generator=gen).bool())
         else:
@@ -97,26 +119,49 @@ def check_meta(gm: GraphModule, inputs: list[torch.Tensor]) -> None:
 
 def check_rule(
     rule: Rule,
-    graphs: st.SearchStrategy[GraphModule],
+    graphs: st.SearchStrategy[GraphModule] | None = None,
     *,
+    around: Any = None,
     with_rules: Iterable[Rule] = (),
     must_fire: bool = True,
-    max_examples: int = 40,
+    max_examples: int = DEFAULT_EXAMPLES,
     tolerance: dict[torch.dtype, tuple[float, float]] | None = None,
     derandomize: bool | None = None,
+    special_values: bool = True,
 ) -> int:
-    """Property-test ``rule`` on graphs drawn from ``graphs``; returns how often it fired.
+    """Property-test ``rule`` on generated graphs; returns how often it fired.
 
-    For each graph: run it on random real inputs; run a checked PassManager with ``rule`` (and
-    ``with_rules``) to fixpoint (lint, contract checks, termination via the budget); compare
-    outputs, and the inputs the graph writes to, with the per-dtype tolerance; check every
-    node's ``meta['val']`` against the real values; run the rule again and require that it
-    changes nothing (idempotence). With
-    ``must_fire``, the rule must have fired on at least one graph, so the test cannot pass
-    vacuously. Hypothesis shrinks a failing graph to a minimal one.
+    Graphs come from ``graphs``, and also, when the rule was built from a pattern
+    (:func:`fxpass.pattern.pattern_rule`) or ``around=`` names one, from
+    :func:`~fxpass.testing.pattern_graphs` around that pattern (inner values shared with
+    other users included). For each graph: run it on random real inputs (on half of the
+    examples a quarter of the float elements are NaN, +-Inf or +-0, unless
+    ``special_values=False``); run a checked PassManager with ``rule`` (and ``with_rules``) to
+    fixpoint (lint, contract checks: every edit must go through the Rewriter, termination via
+    the budget); compare outputs, and the inputs the graph writes to, with the per-dtype
+    tolerance; check every node's ``meta['val']`` against the real values; run the rule again
+    and require that it changes nothing (idempotence). With ``must_fire``, the rule must have
+    fired on at least one graph, so the test cannot pass vacuously; with ``must_fire=False``
+    the count is returned, so "must not fire here" is ``assert check_rule(...) == 0``.
+
+    Reproducible by default: a fixed seed (``derandomize=True``), the same graphs every run.
+    ``FXPASS_HYPOTHESIS_RANDOM=1`` (or ``derandomize=False``) draws new graphs each run, to
+    explore. Hypothesis shrinks a failing graph to a minimal one and prints it.
     """
+    from .strategies import pattern_graphs
+
     fired = [0]
     rules = [rule, *with_rules]
+    pattern = around if around is not None else rule.pattern
+    sources = [g for g in (graphs,) if g is not None]
+    if pattern is not None:
+        sources.append(pattern_graphs(pattern))
+    if not sources:
+        raise TypeError(
+            f"check_rule({rule.name!r}) needs graphs: pass a strategy (fxpass.testing."
+            "aten_graphs(...), traced_graphs(...)) or around=P(...), or build the rule with "
+            "fxpass.pattern.pattern_rule"
+        )
     if derandomize is None:  # reproducible in CI; FXPASS_HYPOTHESIS_RANDOM=1 explores new cases
         derandomize = os.environ.get("FXPASS_HYPOTHESIS_RANDOM", "") != "1"
 
@@ -130,9 +175,10 @@ def check_rule(
         report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
     )
-    @given(graphs, st.integers(0, 2**31 - 1))
-    def prop(gm: GraphModule, seed: int) -> None:
-        inputs = random_inputs(gm, seed)
+    @given(st.one_of(sources), st.integers(0, 2**31 - 1), st.sampled_from([False, True]))
+    def prop(gm: GraphModule, seed: int, special: bool) -> None:
+        special = special and special_values
+        inputs = random_inputs(gm, seed, special=special)
         before = copy.deepcopy(gm)
         # each run gets its own copy of the inputs: a graph that writes to an input (a KV
         # cache, say) must leave the same values behind before and after the rule
@@ -142,11 +188,20 @@ def check_rule(
         fired[0] += report.rewrites.get(rule.name, 0)
         gm.graph.lint()
         check_meta(gm, [t.clone() for t in inputs])
-        assert_outputs_close(expected, gm(*ins_after), tolerance)
         try:
-            assert_outputs_close(ins_before, ins_after, tolerance)
+            assert_outputs_close(expected, gm(*ins_after), tolerance)
+            try:
+                assert_outputs_close(ins_before, ins_after, tolerance)
+            except AssertionError as e:
+                msg = f"the rule changed what the graph writes to its inputs: {e}"
+                raise AssertionError(msg) from e
         except AssertionError as e:
-            msg = f"the rule changed what the graph writes to its inputs: {e}"
+            if not special:
+                raise
+            msg = (
+                f"{e}\n(on inputs containing NaN/+-Inf/+-0; if rule {rule.name!r} legitimately "
+                "differs there, pass special_values=False and say why in the test)"
+            )
             raise AssertionError(msg) from e
         again = PassManager([rule], check=True).run(gm)
         assert again.total_rewrites == 0, (

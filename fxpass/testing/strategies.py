@@ -111,12 +111,72 @@ VOCAB: dict[str, Op] = {
 DEFAULT_OPS = ("neg", "relu", "add", "mul", "add_scalar", "mul_scalar", "sigmoid", "cast")
 
 
-def _fake(target: Any, args: tuple, kwargs: dict, mode: Any) -> Any:
-    from torch.fx.node import map_arg
+class _Builder:
+    """One graph being drawn: a pool of values of one shape, ops appended from a vocabulary."""
 
-    fargs, fkwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
-    with mode:
-        return target(*fargs, **fkwargs)
+    def __init__(self, draw: Any, dtypes: Sequence[torch.dtype], max_inputs: int, max_rank: int):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.draw, self.mode, self.g = draw, FakeTensorMode(), Graph()
+        rank = draw(st.integers(1, max_rank))
+        self.shape = tuple(draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
+        self.pool: list[Node] = []
+        self.outputs: list[Node] = []  # extra graph outputs: fan-out of intermediate values
+        for _ in range(draw(st.integers(1, max_inputs))):
+            self.placeholder(draw(st.sampled_from(list(dtypes))))
+
+    def placeholder(self, dt: torch.dtype) -> Node:
+        p = self.g.placeholder(f"x{len(self.g.find_nodes(op='placeholder'))}")
+        with self.mode:
+            p.meta["val"] = torch.empty(self.shape, dtype=dt)
+        self.pool.append(p)
+        return p
+
+    def pick(self, float_only: bool = True) -> Node:
+        pool = self.pool
+        cands = [n for n in pool if n.meta["val"].dtype.is_floating_point] if float_only else pool
+        return self.draw(st.sampled_from(cands or pool))
+
+    def emit(self, target: Any, args: tuple, kwargs: dict) -> Node:
+        from torch.fx.node import map_arg
+
+        fargs, fkwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.mode:
+            val = target(*fargs, **fkwargs)
+        n = self.g.call_function(target, args, kwargs)
+        n.meta["val"] = val
+        return n
+
+    def expand(self, a: Any) -> Any:
+        # ("gt", x) -> x > 0 ; ("mask_inf", x, y) -> masked_fill(x, y > 0.3, -inf)
+        if isinstance(a, tuple) and a and a[0] == "gt":
+            return self.emit(aten.gt.Scalar, (a[1], 0.0), {})
+        if isinstance(a, tuple) and a and a[0] == "mask_inf":
+            m = self.emit(aten.gt.Scalar, (a[2], 0.3), {})
+            return self.emit(aten.masked_fill.Scalar, (a[1], m, -math.inf), {})
+        return a
+
+    def random_ops(self, vocab: list[Op], count: int) -> None:
+        for _ in range(count):
+            built = self.draw(st.sampled_from(vocab)).build(self.draw, self.pick)
+            if built is None:
+                continue
+            target, args, kwargs = built
+            n = self.emit(target, tuple(self.expand(a) for a in args), kwargs)
+            self.pool.append(n)
+            self.maybe_fan_out(n)
+
+    def maybe_fan_out(self, n: Node) -> None:
+        """Often give ``n`` a second user (a graph output): rules that edit an inner value in
+        place, or drop it, are wrong exactly there."""
+        if self.draw(st.integers(0, 3)) == 0:
+            self.outputs.append(n)
+
+    def finish(self, extra: str = "") -> GraphModule:
+        outs = [n for n in self.pool if not n.users and n.op != "placeholder"] or self.pool[-1:]
+        outs += [n for n in self.outputs if n not in outs]
+        self.g.output(tuple(outs))
+        return _shown(GraphModule(torch.nn.Module(), self.g), extra)
 
 
 @st.composite
@@ -128,51 +188,83 @@ def aten_graphs(
     max_inputs: int = 3,
     max_rank: int = 3,
 ) -> GraphModule:
-    """A GraphModule of 1..max_ops vocabulary ops over same-shaped inputs, with meta['val']."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """A GraphModule of 1..max_ops vocabulary ops over same-shaped inputs, with meta['val'].
+
+    Operands are drawn from every value made so far, and intermediate values are often also
+    graph outputs, so shared subexpressions (fan-out) are common.
+    """
+    vocab = [VOCAB[o] if isinstance(o, str) else o for o in ops]
+    b = _Builder(draw, dtypes, max_inputs, max_rank)
+    b.random_ops(vocab, draw(st.integers(1, max_ops)))
+    return b.finish()
+
+
+#: Python numbers a ``Num`` leaf of a pattern is instantiated with.
+PATTERN_NUMBERS = (0.5, 2.0, -1.5, 3, 0.0)
+
+
+@st.composite
+def pattern_graphs(
+    draw: Any,
+    pattern: Any,
+    ops: Sequence[str | Op] = DEFAULT_OPS,
+    dtypes: Sequence[torch.dtype] = (torch.float32,),
+    max_ops: int = 4,
+    max_inputs: int = 3,
+    max_rank: int = 3,
+) -> GraphModule:
+    """Graphs built around an instance of ``pattern`` (an :class:`fxpass.pattern.P` tree).
+
+    Random vocabulary ops come before and after it; its leaves are drawn from the values made
+    so far (so they are inputs or intermediates); its inner nodes often get a second user, and
+    the same value often feeds two leaves. ``Var(dtype=...)`` leaves get a value of that
+    dtype; ``Num`` leaves a number from :data:`PATTERN_NUMBERS`. A pattern whose instance does
+    not type-check (fake propagation raises) is rejected, not failed.
+    """
+    from hypothesis import reject
+
+    from ..pattern import ANY, Num, P, Var
 
     vocab = [VOCAB[o] if isinstance(o, str) else o for o in ops]
-    mode = FakeTensorMode()
-    rank = draw(st.integers(1, max_rank))
-    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
-    g = Graph()
-    pool: list[Node] = []
-    for i in range(draw(st.integers(1, max_inputs))):
-        dt = draw(st.sampled_from(list(dtypes)))
-        p = g.placeholder(f"x{i}")
-        with mode:
-            p.meta["val"] = torch.empty(shape, dtype=dt)
-        pool.append(p)
+    b = _Builder(draw, dtypes, max_inputs, max_rank)
+    b.random_ops(vocab, draw(st.integers(0, max_ops)))
+    bound: dict[str, Any] = {}
 
-    def pick(float_only: bool = True) -> Node:
-        cands = [n for n in pool if n.meta["val"].dtype.is_floating_point] if float_only else pool
-        return draw(st.sampled_from(cands or pool))
+    def leaf(v: Var) -> Node:
+        if v.dtype is None:
+            return b.pick()
+        want = v.dtype if isinstance(v.dtype, tuple) else (v.dtype,)
+        dt = draw(st.sampled_from(list(want)))
+        cands = [n for n in b.pool if n.meta["val"].dtype == dt]
+        return draw(st.sampled_from(cands)) if cands else b.placeholder(dt)
 
-    def emit(target: Any, args: tuple, kwargs: dict) -> Node:
-        n = g.call_function(target, args, kwargs)
-        n.meta["val"] = _fake(target, args, kwargs, mode)
+    def make(p: Any, inner: bool) -> Any:
+        if isinstance(p, (Var, Num)):
+            if p.name not in bound:
+                bound[p.name] = (
+                    leaf(p) if isinstance(p, Var) else draw(st.sampled_from(PATTERN_NUMBERS))
+                )
+            return bound[p.name]
+        if p is ANY:
+            return b.pick()
+        if isinstance(p, (list, tuple)):
+            return type(p)(make(x, inner) for x in p)
+        if not isinstance(p, P):
+            return p
+        args = tuple(make(a, True) for a in p.args)
+        kwargs = {k: make(v, True) for k, v in p.kwargs.items()}
+        try:
+            n = b.emit(draw(st.sampled_from(list(p.targets))), args, kwargs)
+        except Exception:
+            reject()
+        b.pool.append(n)
+        if inner:
+            b.maybe_fan_out(n)
         return n
 
-    def expand(a: Any) -> Any:
-        # ("gt", x) -> x > 0 ; ("mask_inf", x, y) -> masked_fill(x, y > 0.3, -inf)
-        if isinstance(a, tuple) and a and a[0] == "gt":
-            return emit(aten.gt.Scalar, (a[1], 0.0), {})
-        if isinstance(a, tuple) and a and a[0] == "mask_inf":
-            m = emit(aten.gt.Scalar, (a[2], 0.3), {})
-            return emit(aten.masked_fill.Scalar, (a[1], m, -math.inf), {})
-        return a
-
-    for _ in range(draw(st.integers(1, max_ops))):
-        op = draw(st.sampled_from(vocab))
-        built = op.build(draw, pick)
-        if built is None:
-            continue
-        target, args, kwargs = built
-        args = tuple(expand(a) for a in args)
-        pool.append(emit(target, args, kwargs))
-    outs = [n for n in pool if not n.users and n.op != "placeholder"] or pool[-1:]
-    g.output(tuple(outs))
-    return _shown(GraphModule(torch.nn.Module(), g))
+    make(pattern, False)
+    b.random_ops(vocab, draw(st.integers(0, max_ops)))
+    return b.finish(f"around {pattern!r}")
 
 
 def _shown(gm: GraphModule, extra: str = "") -> GraphModule:

@@ -1,0 +1,377 @@
+"""Declarative patterns: match a tree of ops, bind its leaves, rewrite; single use for free.
+
+A multi-node rule written by hand has to remember that an inner node may have other users,
+that an in-place op is not a value, that ``_to_copy(x, dtype=f32)`` is not the same op as
+``_to_copy(x, dtype=f32, memory_format=...)``. A pattern states the tree once::
+
+    FOLD = P(aten.mul.Tensor, P(aten.mul.Tensor, Var("x"), Num("a")), Num("b"))
+
+    @pattern_rule(FOLD)
+    def fold_muls(rw, m):
+        "x * a * b -> x * (a * b) for Python numbers a, b."
+        return rw.call(aten.mul.Tensor, m.x, m.a * m.b)
+
+Matching (top-down from the root node the driver offers, so the rule is indexed by the root's
+targets like any ``@rule``):
+
+- ``P(target, *args, **kwargs)`` matches a ``call_function`` node whose target is ``target``
+  (an overload, a packet meaning all its overloads, or a tuple of them). Arguments are compared
+  position by position *after filling in the schema's defaults*, so an argument the pattern
+  leaves out must have its default value in the node: strict by construction.
+- ``Var("x")`` binds anything (a node or a Python value); the same name twice must bind the
+  same value. ``Var("x", dtype=torch.float32)`` also requires a tensor of that dtype.
+- ``Num("a")`` binds a Python int or float (not a bool, not a tensor).
+- ``ANY`` matches anything without binding. Any other Python value must be equal.
+- ``P(..., name="inner")`` binds the matched node as ``m.inner`` (the root is ``m.root``).
+- Every node the pattern matched below the root must be used only inside the match, and be
+  pure: the rewrite replaces the root, so an inner node with another user would be either
+  duplicated or (if edited in place) wrong for that user. ``P(..., shared=True)`` allows other
+  users (the rewrite then must not edit that node; it can read it).
+- ``P(..., commute=True)`` also tries the two first arguments swapped.
+
+The rewrite function gets ``(rw, m)`` and returns the replacement for the root (a node or a
+Python value), ``True`` if it made its own edits through ``rw``, or ``None``/``False`` for "not
+here" (after ``rw.skip(why)`` when a reader would want to know). An optional
+``check(m)`` returning ``True``/``None`` to proceed, or ``False``/a reason string to refuse,
+keeps the condition apart from the rewrite (onnxscript's pattern/check/rewrite split).
+
+A near-miss (the root and at least one inner op matched, then something failed) is recorded
+as a skip reason in the report, with the path to the failing argument; ``pattern.explain(node)``
+gives the reason for any node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from .graph import is_pure, writes
+from .rule import Rule, _describe
+
+__all__ = ["ANY", "Match", "Num", "P", "Var", "pattern_rule"]
+
+_NO_DEFAULT = object()
+
+
+class _Any:
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY = _Any()
+
+
+@dataclass(frozen=True)
+class Var:
+    """Binds any value under ``name``; ``dtype`` (one or a tuple) also requires a tensor of it."""
+
+    name: str
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"Var({self.name!r})" if self.dtype is None else f"Var({self.name!r}, {self.dtype})"
+
+
+@dataclass(frozen=True)
+class Num:
+    """Binds a Python int or float (not a bool, not a tensor) under ``name``."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"Num({self.name!r})"
+
+
+def _overloads(t: Any) -> tuple[Any, ...]:
+    if isinstance(t, (tuple, list, set, frozenset)):
+        return tuple(o for x in t for o in _overloads(x))
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return tuple(getattr(t, name) for name in t.overloads())
+    return (t,)
+
+
+class P:
+    """An op node pattern (see the module docstring)."""
+
+    def __init__(
+        self,
+        target: Any,
+        *args: Any,
+        name: str | None = None,
+        shared: bool = False,
+        commute: bool = False,
+        **kwargs: Any,
+    ):
+        self.targets = _overloads(target)
+        if not self.targets:
+            raise ValueError(f"P({target!r}): no op overloads to match")
+        self.args, self.kwargs = args, kwargs
+        self.name, self.shared, self.commute = name, shared, commute
+        if commute and len(args) < 2:
+            raise ValueError("P(commute=True) needs at least two positional arguments")
+        self._ids = frozenset(id(t) for t in self.targets)
+
+    def __repr__(self) -> str:
+        t = self.targets[0] if len(self.targets) == 1 else list(self.targets)
+        inner = ", ".join(
+            [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        )
+        return f"P({t}{', ' if inner else ''}{inner})"
+
+    def nodes(self) -> list[P]:
+        """This pattern and every op pattern below it, root first."""
+        out: list[P] = [self]
+        for a in (*self.args, *self.kwargs.values()):
+            for x in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(x, P):
+                    out.extend(x.nodes())
+        return out
+
+    def match(self, node: Node) -> Match | None:
+        """The match rooted at ``node``, or None (see :meth:`explain` for why not)."""
+        m, _, _ = _match_root(self, node)
+        return m
+
+    def explain(self, node: Node) -> str | None:
+        """Why the pattern does not match at ``node`` (None if it does)."""
+        _, why, _ = _match_root(self, node)
+        return why
+
+
+class Match:
+    """Bindings by name (``m.x``), the root node (``m.root``) and every matched node."""
+
+    def __init__(self, root: Node, bindings: dict[str, Any], nodes: list[Node]):
+        self.root, self.bindings, self.nodes = root, bindings, nodes
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["bindings"][key]
+        except KeyError:
+            raise AttributeError(
+                f"pattern has no binding {key!r}; bound: {sorted(self.__dict__['bindings'])}"
+            ) from None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.bindings[key]
+
+    def __repr__(self) -> str:
+        return f"Match(root={self.root.name}, {self.bindings})"
+
+
+@dataclass
+class _State:
+    bindings: dict[str, Any] = field(default_factory=dict)
+    nodes: list[tuple[Node, P]] = field(default_factory=list)
+    depth: int = 0  # how many op patterns matched their target (near-miss if > 1)
+
+
+def _label(v: Any) -> str:
+    if isinstance(v, Node):
+        return f"{v.name} ({v.target})" if v.op == "call_function" else f"{v.name} ({v.op})"
+    return repr(v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Node) or isinstance(b, Node):
+        return a is b
+    try:
+        return bool(type(a) is type(b) and a == b) or (
+            isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)
+        )
+    except Exception:  # a tensor, say: no unambiguous equality
+        return a is b
+
+
+def _match_value(pat: Any, v: Any, st: _State, where: str) -> str | None:
+    if pat is ANY:
+        return None
+    if isinstance(pat, P):
+        return _match_op(pat, v, st, where)
+    if isinstance(pat, (list, tuple)) and any(isinstance(x, (P, Var, Num, _Any)) for x in pat):
+        if not isinstance(v, (list, tuple)) or len(v) != len(pat):
+            return f"{where}: wants a list of {len(pat)}, got {_label(v)}"
+        for i, (p, x) in enumerate(zip(pat, v, strict=True)):
+            why = _match_value(p, x, st, f"{where}[{i}]")
+            if why is not None:
+                return why
+        return None
+    if isinstance(pat, (Var, Num)):
+        if isinstance(pat, Num) and (
+            isinstance(v, (bool, Node)) or not isinstance(v, (int, float))
+        ):
+            return f"{where}: {pat!r} wants a Python number, got {_label(v)}"
+        if isinstance(pat, Var) and pat.dtype is not None:
+            val = v.meta.get("val") if isinstance(v, Node) else None
+            want = pat.dtype if isinstance(pat.dtype, tuple) else (pat.dtype,)
+            if not isinstance(val, torch.Tensor) or val.dtype not in want:
+                got = val.dtype if isinstance(val, torch.Tensor) else type(v).__name__
+                return f"{where}: {pat!r} wants a tensor of {want}, got {_label(v)}: {got}"
+        if pat.name in st.bindings:
+            if not _same(st.bindings[pat.name], v):
+                return (
+                    f"{where}: {pat.name!r} is bound to {_label(st.bindings[pat.name])} "
+                    f"elsewhere in the pattern, here to {_label(v)}"
+                )
+            return None
+        st.bindings[pat.name] = v
+        return None
+    if not _same(pat, v):
+        return f"{where}: wants {pat!r}, got {_label(v)}"
+    return None
+
+
+def _normalized(pat: P, node: Node) -> tuple[list[tuple[str, Any, Any]], str | None]:
+    """(argument name, pattern value, node value) for every argument, defaults filled in."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None:  # a Python callable (operator.getitem, ...): compare as written
+        if len(pat.args) != len(node.args) or set(pat.kwargs) != set(node.kwargs):
+            return [], f"{node.name} has arguments {node.args}, {node.kwargs}"
+        pairs = [
+            (f"arg {i}", p, v) for i, (p, v) in enumerate(zip(pat.args, node.args, strict=True))
+        ]
+        pairs += [(k, pat.kwargs[k], node.kwargs[k]) for k in pat.kwargs]
+        return pairs, None
+    out = []
+    names = {a.name for a in schema.arguments}
+    extra = set(pat.kwargs) - names
+    if extra:
+        return [], f"pattern keyword(s) {sorted(extra)} are not arguments of {target}"
+    if len(pat.args) > len(schema.arguments):
+        return [], f"pattern has {len(pat.args)} positional arguments; {target} takes fewer"
+    for i, a in enumerate(schema.arguments):
+        default = a.default_value if a.has_default_value() else _NO_DEFAULT
+        if i < len(node.args) and not a.kwarg_only:
+            v = node.args[i]
+        else:
+            v = node.kwargs.get(a.name, default)
+        if i < len(pat.args) and not a.kwarg_only:
+            p = pat.args[i]
+        else:
+            p = pat.kwargs.get(a.name, default)
+        if p is _NO_DEFAULT:
+            return [], f"the pattern gives no value for {target}'s required argument {a.name!r}"
+        out.append((a.name, p, v))
+    return out, None
+
+
+def _match_op(pat: P, v: Any, st: _State, where: str) -> str | None:
+    if not isinstance(v, Node) or v.op != "call_function" or id(v.target) not in pat._ids:
+        want = pat.targets[0] if len(pat.targets) == 1 else list(pat.targets)
+        return f"{where}: wants {want}, got {_label(v)}"
+    st.depth += 1
+    pairs, why = _normalized(pat, v)
+    if why is not None:
+        return f"{where}: {why}"
+    orders = [pairs]
+    if pat.commute:
+        swapped = list(pairs)
+        (n0, p0, _), (n1, p1, _) = swapped[0], swapped[1]
+        swapped[0], swapped[1] = (n0, p1, pairs[0][2]), (n1, p0, pairs[1][2])
+        orders.append(swapped)
+    first_why = None
+    for order in orders:
+        saved = (dict(st.bindings), list(st.nodes), st.depth)
+        for argname, p, val in order:
+            why = _match_value(p, val, st, f"{argname} of {v.name}")
+            if why is not None:
+                break
+        else:
+            st.nodes.append((v, pat))
+            if pat.name is not None:
+                st.bindings[pat.name] = v
+            return None
+        first_why = first_why or why
+        st.bindings, st.nodes, depth = saved
+        st.depth = max(st.depth, depth)
+    return first_why
+
+
+def _match_root(pat: P, node: Node) -> tuple[Match | None, str | None, int]:
+    st = _State()
+    why = _match_op(pat, node, st, "root")
+    if why is not None:
+        return None, why, st.depth
+    matched = {n for n, _ in st.nodes}
+    for n, p in st.nodes:
+        if n is node:
+            continue
+        if not is_pure(n) or writes(n.target):
+            return None, f"{n.name} ({n.target}) is not a pure value (it writes or is impure)", 9
+        if not p.shared:
+            outside = [u.name for u in n.users if u not in matched]
+            if outside:
+                return (
+                    None,
+                    (
+                        f"{n.name} ({n.target}) is also used by {outside}, outside the pattern: "
+                        f"the rewrite would duplicate it or change it under them; mark it "
+                        f"P(..., shared=True) if the rewrite only reads it"
+                    ),
+                    9,
+                )
+    bindings = dict(st.bindings)
+    return Match(node, bindings, [n for n, _ in st.nodes]), None, st.depth
+
+
+RewriteFn = Callable[[Any, Match], Any]
+
+
+def pattern_rule(
+    pattern: P,
+    *,
+    name: str | None = None,
+    check: Callable[[Match], bool | str | None] | None = None,
+    priority: int = 0,
+    description: str | None = None,
+    default: bool = True,
+    tags: Iterable[str] = (),
+    targets: Iterable[str] = (),
+    applies: Callable[[Any], bool] | None = None,
+) -> Callable[[RewriteFn], Rule]:
+    """Decorate ``fn(rw, m)`` into a :class:`Rule` rooted at ``pattern``'s targets.
+
+    The rule carries the pattern (``rule.pattern``), so ``fxpass.testing.check_rule`` also
+    generates graphs around it, shared inner values included.
+    """
+    if not isinstance(pattern, P):
+        raise TypeError(f"pattern_rule wants a P(...) pattern at the root, got {pattern!r}")
+
+    def wrap(fn: RewriteFn) -> Rule:
+        def apply(node: Node, rw: Any) -> bool:
+            m, why, depth = _match_root(pattern, node)
+            if m is None:
+                if depth > 1:  # a near-miss: worth a line in the report
+                    rw.skip(f"pattern: {why}")
+                return False
+            if check is not None:
+                ok = check(m)
+                if ok is False or isinstance(ok, str):
+                    return rw.skip(ok if isinstance(ok, str) else f"check {check.__name__} failed")
+            out = fn(rw, m)
+            if out is None or out is False:
+                return False
+            if out is True:
+                return True
+            rw.replace(node, out)
+            return True
+
+        return Rule(
+            name=name or fn.__name__,
+            fn=apply,
+            roots=pattern.targets,
+            priority=priority,
+            description=_describe(fn, description),
+            default=default,
+            tags=frozenset(tags),
+            targets=frozenset(targets),
+            applies=applies,
+            pattern=pattern,
+        )
+
+    return wrap
