@@ -45,6 +45,27 @@ def _compile(m, **options):
     return err, fxpass.compile_reports()[-1]
 
 
+#: The board path quantizes (w8a16, issue 11): a calibrated MLP's error vs eager float.
+QUANT_ATOL = 5e-2
+
+
+def _compile_board(m, **options):
+    """Like _compile on the board path, which needs calibrate() before hbdk4 sees a region."""
+    from fxpass.backends.bpu import calibrate
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(
+            m,
+            backend="fxpass_bpu",
+            dynamic=False,
+            options={"min_compute_macs": 0, "executor": "hbdnn", **options},
+        )
+        calibrate(fn, [X])
+        err = (fn(X) - m(X)).abs().max().item()
+    return err, fxpass.compile_reports()[-1]
+
+
 def _files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file()) if d.exists() else []
 
@@ -207,8 +228,8 @@ def test_unwritable_cache_on_the_board_path(tmp_path, monkeypatch):
     fake_hbdk4.install(monkeypatch)
     options, _ = _unwritable("file", tmp_path, monkeypatch)
     with pytest.warns(UserWarning, match="not writable"):
-        err, r = _compile(_mlp(7), executor="hbdnn", **options)
-    assert err < 1e-5 and _offloaded(r, "hbdnn"), str(r)
+        err, r = _compile_board(_mlp(7), **options)
+    assert err < QUANT_ATOL and _offloaded(r, "hbdnn"), str(r)
 
 
 # 4. cache=False on the board path ------------------------------------------------------------
@@ -236,12 +257,15 @@ def test_cache_false_on_the_board_path_never_writes_the_user_cache(tmp_path, mon
             dynamic=False,
             options={"min_compute_macs": 0, "executor": "hbdnn", "cache": False},
         )
-        torch.testing.assert_close(fn(X), m(X), rtol=1e-5, atol=1e-5)
+        from fxpass.backends.bpu import calibrate
+
+        calibrate(fn, [X])  # the board path quantizes: hbdk4 sees the calibrated region
+        torch.testing.assert_close(fn(X), m(X), rtol=0, atol=QUANT_ATOL)
         assert _offloaded(fxpass.compile_reports()[-1], "hbdnn")
         assert seen
         for path, _ in seen:  # the executor's file is there as long as the executor is
             assert Path(path).is_file() and user not in Path(path).parents
-        torch.testing.assert_close(fn(X), m(X), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fn(X), m(X), rtol=0, atol=QUANT_ATOL)
     assert _files(user) == [] and sorted(tmp_path.iterdir()) == []
     del fn
     torch._dynamo.reset()
