@@ -337,8 +337,8 @@ def _unproduced_use(node: fx.Node, op: Op) -> str | None:
             return f"the whole tuple result of {name} is used (only its elements can be)"
         if op.outputs is not None and u.args[1] not in op.outputs and u.users:
             return (
-                f"output {u.args[1]} of {name} is used, and its lowering computes only "
-                f"output(s) {sorted(op.outputs)} (e.g. no pooling indices, no batch statistics)"
+                f"output {u.args[1]} of {name} is used; ONNX computes only output(s) "
+                f"{sorted(op.outputs)} of it (no pooling indices or batch statistics)"
             )
     return None
 
