@@ -19,23 +19,23 @@ def _roots(r: object) -> str:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
+    """Every rule: on/off by default, priority, the targets that run it, tags, roots, plugin."""
     from .plugins import load
 
     reg = load()
     for name in sorted(reg.rules):
         r = reg.rules[name]
-        on = [
-            t.name
-            for t in reg.targets.values()
-            if (r.default or name in t.enable) and name not in t.disable
-        ]
+        on = [t.name for t in reg.targets.values() if t.selects(r)]
         state = "on " if r.default else "off"
-        print(f"{name}  [{state} by default] plugin={r.plugin}")
-        print(f"    targets: {', '.join(on) if on else '-'}; roots: {_roots(r)}")
+        kind = "pattern" if r.pattern is not None else "graph" if r.graph_level else "node"
+        print(f"{name}  [{state} by default] priority={r.priority} {kind} rule, plugin={r.plugin}")
+        tags = f"; tags: {', '.join(sorted(r.tags))}" if r.tags else ""
+        print(f"    targets: {', '.join(on) if on else '-'}; roots: {_roots(r)}{tags}")
         print(f"    {r.description}")
     for t in sorted(reg.targets.values(), key=lambda t: t.name):
+        tags = f", rules tagged {list(t.enable_tags)}" if t.enable_tags else ""
         print(
-            f"target {t.name} (plugin={t.plugin}): enables {list(t.enable)}, "
+            f"target {t.name} (plugin={t.plugin}): enables {list(t.enable)}{tags}, "
             f"disables {list(t.disable)}; {t.description}"
         )
     for source, err in reg.failures:

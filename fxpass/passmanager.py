@@ -27,6 +27,7 @@ Outside check mode every check is O(1) per rewrite. Environment variables are re
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import warnings
 from collections import Counter, deque
@@ -57,6 +58,11 @@ class ContractError(RuntimeError):
 
 class PartialRewriteWarning(UserWarning):
     """A run stopped at the rewrite limit with rewrites pending: the graph is not a fixpoint."""
+
+
+_gc_lock = threading.Lock()
+_gc_runs = 0  # runs in progress (any thread); the collector is paused while > 0
+_gc_was_enabled = True
 
 
 def _where(n: Node | None) -> str:
@@ -101,7 +107,42 @@ class PassManager:
             )
         self.rewrite_limit: int | None = rewrite_limit
         self.keep_ledger = ledger
-        self._build_index(self.rules)
+
+    # ---------------------------------------------------------------------------------------
+    def run(self, gm: GraphModule, *, recompile: bool = True) -> Report:
+        """Rewrite ``gm`` in place to fixpoint. ``recompile=False`` leaves codegen to the caller
+        (it costs more than the rewriting on big graphs, and a backend may rewrite further).
+
+        All per-run state lives in a run object, so one PassManager can be reused, and used
+        from several threads at once on different graphs.
+
+        The cyclic garbage collector is paused for the run: FX graphs are large webs of
+        objects, and full collections over them made the driver quadratic in graph size.
+        ``gc.disable()`` is process-wide: other threads run without cyclic collection while a
+        run is in progress (reference counting still frees everything acyclic), and the
+        collector is re-enabled when the last concurrent run ends, if it was enabled before.
+        """
+        global _gc_runs, _gc_was_enabled
+        with _gc_lock:
+            if _gc_runs == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_runs += 1
+        try:
+            return _Run(self, gm).execute(recompile)
+        finally:
+            with _gc_lock:
+                _gc_runs -= 1
+                if _gc_runs == 0 and _gc_was_enabled:
+                    gc.enable()
+
+
+class _Run:
+    """One run of a PassManager over one graph: the worklist driver and its state."""
+
+    def __init__(self, pm: PassManager, gm: GraphModule):
+        self.rules, self.check, self.rewrite_limit = pm.rules, pm.check, pm.rewrite_limit
+        self.keep_ledger, self.budget_factor, self.gm = pm.keep_ledger, pm.budget_factor, gm
 
     def _build_index(self, rules: list[Rule]) -> None:
         order = sorted(rules, key=lambda r: -r.priority)  # stable: ties keep list order
@@ -115,23 +156,8 @@ class PassManager:
         for t, lst in self._index.items():
             self._index[t] = sorted(lst + self._any, key=lambda r: -r.priority)
 
-    # ---------------------------------------------------------------------------------------
-    def run(self, gm: GraphModule, *, recompile: bool = True) -> Report:
-        """Rewrite ``gm`` in place to fixpoint. ``recompile=False`` leaves codegen to the caller
-        (it costs more than the rewriting on big graphs, and a backend may rewrite further).
-
-        The cyclic garbage collector is paused for the run: FX graphs are large webs of
-        objects, and full collections over them made the driver quadratic in graph size.
-        """
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._run(gm, recompile)
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    def _run(self, gm: GraphModule, recompile: bool) -> Report:
+    def execute(self, recompile: bool) -> Report:
+        gm = self.gm
         require_meta(gm)
         gates: dict[Any, bool] = {}  # rules often share one gate (the BF16 pair does)
         for r in self.rules:

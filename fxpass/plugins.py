@@ -59,7 +59,14 @@ class Hooks:
 
 @dataclass(frozen=True)
 class Target:
-    """A backend target: which rules it wants on top of the defaults, and which it turns off."""
+    """A backend target: which rules it wants on top of the defaults, and which it turns off.
+
+    A target's rule set is: every rule that is on by default, plus the rules it names in
+    ``enable``, plus every rule carrying one of ``enable_tags``, plus every rule that names
+    the target in its own ``targets`` (how a third-party plugin joins a target it does not
+    own), minus the rules named in ``disable``. The user's ``enable=``/``disable=``/``only=``
+    and ``FXPASS_ENABLE``/``FXPASS_DISABLE`` apply after that (:func:`select_rules`).
+    """
 
     name: str
     description: str = ""
@@ -67,6 +74,18 @@ class Target:
     disable: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
     plugin: str = "<unregistered>"
+    enable_tags: tuple[str, ...] = ()
+
+    def selects(self, r: Rule) -> bool:
+        """Whether this target turns ``r`` on (before user switches)."""
+        if r.name in self.disable:
+            return False
+        return (
+            r.default
+            or r.name in self.enable
+            or bool(r.tags & set(self.enable_tags))
+            or self.name in r.targets
+        )
 
 
 @dataclass(frozen=True)
@@ -295,42 +314,56 @@ def select_rules(
     target: str | None = None,
     enable: Iterable[str] | None = None,
     disable: Iterable[str] | None = None,
+    only: Iterable[str] | None = None,
 ) -> list[Rule]:
     """The rules to run: defaults, plus/minus the target's choices, the caller's, then env.
 
-    ``FXPASS_ENABLE`` / ``FXPASS_DISABLE`` (comma-separated names) apply last, so a user can
-    switch a rule off without touching code. Unknown names are an error naming where they
-    came from and listing the known ones.
+    ``target`` applies :meth:`Target.selects` (its enable list and tags, and rules that join
+    it). ``only`` replaces all of that with exactly the named rules (the target's and the
+    defaults are ignored; ``disable`` and ``FXPASS_DISABLE`` still apply, ``enable`` with
+    ``only`` is an error). ``FXPASS_ENABLE`` / ``FXPASS_DISABLE`` (comma-separated names)
+    apply last, so a user can switch a rule off without touching code. Unknown names are an
+    error naming where they came from and listing the known ones.
     """
     reg = registry or load()
-    on = {n for n, r in reg.rules.items() if r.default}
-    steps: list[tuple[list[str], list[str], str, str]] = []
-    if target is not None:
-        if target not in reg.targets:
+
+    def known(names: list[str], source: str) -> list[str]:
+        unknown = [n for n in names if n not in reg.rules]
+        if unknown:
             raise ValueError(
-                f"unknown fxpass target {target!r}; known: {sorted(reg.targets)}"
+                f"unknown rule name(s) {unknown} in {source}; known rules: {sorted(reg.rules)}"
                 + _failed_plugins(reg)
             )
+        return names
+
+    if target is not None and target not in reg.targets:
+        raise ValueError(
+            f"unknown fxpass target {target!r}; known: {sorted(reg.targets)}" + _failed_plugins(reg)
+        )
+    if only is not None:
+        only = known(_names(only), "only=")
+        if _names(enable):
+            raise ValueError(
+                "only= and enable= together: only= already names every rule that runs; "
+                "add the rules to only= instead"
+            )
+        on = set(only)
+    elif target is not None:
         t = reg.targets[target]
-        where = f"target {t.name!r} ({t.plugin})"
-        steps.append((list(t.enable), list(t.disable), where, where))
-    steps.append((_names(enable), _names(disable), "enable=", "disable="))
-    steps.append(
+        known(list(t.enable) + list(t.disable), f"target {t.name!r} ({t.plugin})")
+        on = {n for n, r in reg.rules.items() if t.selects(r)}
+    else:
+        on = {n for n, r in reg.rules.items() if r.default}
+    steps = [
+        (_names(enable), _names(disable), "enable=", "disable="),
         (
             list(env.get("FXPASS_ENABLE")),
             list(env.get("FXPASS_DISABLE")),
             "FXPASS_ENABLE",
             "FXPASS_DISABLE",
-        )
-    )
+        ),
+    ]
     for en, dis, en_from, dis_from in steps:
-        for names, source in ((en, en_from), (dis, dis_from)):
-            unknown = [n for n in names if n not in reg.rules]
-            if unknown:
-                raise ValueError(
-                    f"unknown rule name(s) {unknown} in {source}; known rules: {sorted(reg.rules)}"
-                    + _failed_plugins(reg)
-                )
-        on |= set(en)
-        on -= set(dis)
+        on |= set(known(en, en_from))
+        on -= set(known(dis, dis_from))
     return [r for n, r in reg.rules.items() if n in on]

@@ -231,3 +231,28 @@ def test_missing_meta_is_a_clear_error():
 def test_duplicate_rule_in_one_manager():
     with pytest.raises(ValueError, match="neg_to_mul"):
         PassManager([neg_to_mul, neg_to_mul])
+
+
+def test_one_passmanager_runs_many_graphs_from_threads():
+    # per-run state lives in a run object: one instance, eight graphs, four threads at once
+    import gc
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fxpass import capture
+    from fxpass.rules import ALL
+
+    pm = PassManager(ALL)
+
+    def one(i: int):
+        gm = capture(lambda x: (x.clone() * 2.0).detach() + i, torch.randn(4, 4))[0]
+        report = pm.run(gm)
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(gm(x)[0], x * 2.0 + i)
+        return report.total_rewrites
+
+    was = gc.isenabled()
+    with ThreadPoolExecutor(4) as ex:
+        counts = list(ex.map(one, range(8)))
+    assert all(c > 0 for c in counts) and len(set(counts)) == 1
+    assert gc.isenabled() == was  # the collector is restored after the last run ends
+    assert not hasattr(pm, "_report") and not hasattr(pm, "_rw")

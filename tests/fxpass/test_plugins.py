@@ -141,3 +141,70 @@ def test_plain_module_without_decorators_is_a_plugin(site):
     make_dist(site, "tp-target", "tp_target", body)
     reg = load(refresh=True)
     assert reg.targets["tp-target"].plugin == "tp-target:tp_target"
+
+
+JOINING = '''
+import torch
+from fxpass import Target, rule
+
+aten = torch.ops.aten
+
+
+@rule(aten.sigmoid.default, default=False, targets=["bpu"])
+def tp_joins_bpu(node, rw):
+    """Off by default; joins the bpu target, which another plugin owns."""
+    return False
+
+
+@rule(aten.tanh.default, default=False, tags=["tp-exp"])
+def tp_tagged(node, rw):
+    """Off by default; selected by a target that enables the tag."""
+    return False
+
+
+@rule(aten.relu.default, default=False, priority=7)
+def tp_plain(node, rw):
+    """Off by default and joins nothing."""
+    return False
+
+
+def fxpass_rules():
+    return [tp_joins_bpu, tp_tagged, tp_plain]
+
+
+def fxpass_targets():
+    return [Target("tp_exp", "runs every rule tagged tp-exp", enable_tags=("tp-exp",))]
+'''
+
+
+def test_a_plugin_rule_joins_a_target_and_targets_select_by_tag(site, capsys):
+    make_dist(site, "tp-join", "tp_join", JOINING)
+    reg = load(refresh=True)
+    bpu = {r.name for r in select_rules(reg, target="bpu")}
+    assert "tp_joins_bpu" in bpu and "bf16_promotion" in bpu
+    assert "tp_tagged" not in bpu and "tp_plain" not in bpu
+    assert "tp_joins_bpu" not in {r.name for r in select_rules(reg)}  # no target: default off
+    tagged = {r.name for r in select_rules(reg, target="tp_exp")}
+    assert "tp_tagged" in tagged and "tp_joins_bpu" not in tagged
+    from fxpass.cli import main
+
+    assert main(["rules"]) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("tp_plain") :].split("\n")
+    assert "priority=7" in block[0] and "targets: -" in block[1]
+    joins = out[out.index("tp_joins_bpu") :].split("\n")
+    assert "targets: bpu;" in joins[1]
+    assert "rules tagged ['tp-exp']" in out
+
+
+def test_only_runs_exactly_the_named_rules(monkeypatch):
+    reg = load(refresh=True)
+    assert [r.name for r in select_rules(reg, target="bpu", only=["cse"])] == ["cse"]
+    both = {r.name for r in select_rules(reg, only="cse,alias_removal", disable=["cse"])}
+    assert both == {"alias_removal"}
+    with pytest.raises(ValueError, match=r"only= and enable="):
+        select_rules(reg, only=["cse"], enable=["bf16_promotion"])
+    with pytest.raises(ValueError, match=r"unknown rule name\(s\) \['nope'\] in only="):
+        select_rules(reg, only=["nope"])
+    monkeypatch.setenv("FXPASS_DISABLE", "cse")
+    assert select_rules(reg, only=["cse"]) == []
