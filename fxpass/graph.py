@@ -74,11 +74,6 @@ def propagate_meta(gm: GraphModule, *example_inputs: torch.Tensor) -> GraphModul
     return gm
 
 
-def val(node: Any) -> Any:
-    """``meta['val']`` of a node, or the value itself for non-node arguments."""
-    return node.meta.get("val") if isinstance(node, Node) else node
-
-
 def is_static(v: Any) -> bool:
     """True when a fake tensor (or a tuple of them) has only concrete sizes."""
     if isinstance(v, (tuple, list)):
