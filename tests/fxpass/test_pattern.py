@@ -237,3 +237,14 @@ def test_ported_bf16_cast_cancel_is_a_pattern_rule():
     from fxpass.rules.bf16_promotion import ROUND_TRIP, bf16_cast_cancel
 
     assert bf16_cast_cancel.pattern is ROUND_TRIP
+
+
+def test_readme_rule_runs_and_passes_the_kit():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "@" in b]
+    ns: dict = {}
+    exec(compile(block, "README.md", "exec"), ns)
+    assert check_rule(ns["fold_muls"]) > 0
