@@ -58,12 +58,21 @@ class QuantInfo:
     def line(self) -> str:
         if self.cosine is None:
             return f"quantize {self.config}: {self.state}"
-        q = ", ".join(f"{k} x{v}" for k, v in sorted(self.summary.get("quantized", {}).items()))
+        q = _counts(self.summary, "quantized")
         return (
             f"quantize {self.config} ({self.state}{', cached' if self.cached else ''}): "
             f"cosine {self.cosine:.6f}, max abs error {self.max_abs_error:.3g} vs float on "
             f"{self.batches} calibration batch(es); Q/DQ on {q or 'nothing'}"
+            + (
+                f"; host integer kernels: {k}"
+                if (k := _counts(self.summary, "host_integer_kernels"))
+                else ""
+            )
         )
+
+
+def _counts(summary: dict[str, Any], key: str) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(summary.get(key, {}).items()))
 
 
 class _Session:

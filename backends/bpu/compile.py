@@ -230,13 +230,15 @@ def _quantized_ort(
     qdq = make_qdq()
     summary = Q.summarize(qdq, march)
     data = qdq.SerializeToString()
-    if cache is None:
-        return OrtExecutor(data, input_names, threads=threads), False, summary
     with tempfile.TemporaryDirectory() as tmp:
         opt = os.path.join(tmp, "opt.onnx")
         ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)
         with open(opt, "rb") as f:
             optimized = f.read()
+    # which integer kernels onnxruntime fused the QDQ pattern into, on this CPU
+    summary["host_integer_kernels"] = Q.integer_kernels(onnx.load_from_string(optimized))
+    if cache is None:
+        return ex, False, summary
     if cache.put(key, ".ort.onnx", optimized) is not None:
         cache.put(key, ".quant.json", json.dumps(summary).encode())
     return ex, False, summary

@@ -353,6 +353,24 @@ def summarize(proto: onnx.ModelProto, march: str) -> dict[str, Any]:
     }
 
 
+#: onnxruntime CPU kernels that compute in integers (what its QDQ fusions produce).
+INTEGER_KERNELS = (
+    "QLinearMatMul",
+    "MatMulInteger",
+    "MatMulIntegerToFloat",
+    "QLinearConv",
+    "ConvInteger",
+    "QGemm",
+    "DynamicQuantizeMatMul",
+)
+
+
+def integer_kernels(optimized: onnx.ModelProto) -> dict[str, int]:
+    """Integer kernels in onnxruntime's optimized model, by op type (the host's real work)."""
+    c = Counter(n.op_type for n in optimized.graph.node if n.op_type in INTEGER_KERNELS)
+    return dict(c)
+
+
 def _zp_type(g: onnx.GraphProto, name: str) -> str:
     for i in g.initializer:
         if i.name == name:
