@@ -9,6 +9,14 @@ transposes of weights all become constants.
 Why: those subgraphs are int64/bool index arithmetic a device cannot run; left in, they cut
 the model into many small regions.
 
+Left alone on purpose: a pure layout/dtype view of one weight (``t``, ``permute``, ``view``,
+a bf16 -> f32 cast, chained; ``WEIGHT_VIEWS``) whose consumers read the whole weight. Folding
+it would copy the weight for the lifetime of the graph (twice its size for a cast), while a
+backend does it for free: a CPU op takes the view as is, and a lowering writes the transposed
+or cast weight once into its own initializer. The report's skip reasons say so. A view that
+an indexing op reads (``embedding``: a few rows per call) is still folded, since recomputing
+the cast of a whole table per call would cost more than the copy.
+
 Does not fire when: the result is much larger than its inputs (``FXPASS_FOLD_MAX_GROWTH``
 times, default 64, and more than ``FXPASS_FOLD_MIN_BYTES``, default 4 MiB; e.g. a broadcast
 ``expand``): the fold is refused and the report says so; an op is random, mutating or
@@ -29,9 +37,48 @@ from torch.fx.node import map_arg
 
 from fxpass import env, graph_rule
 from fxpass.graph import FROZEN, constant_value, is_static
-from fxpass.rules._util import aten, writes
+from fxpass.rules._util import aten, prims, writes
 
 _NEVER = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+#: pure layout/dtype ops: a chain of them over one weight is a view, not worth a copy
+WEIGHT_VIEWS = frozenset(
+    {
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.clone.default,
+        aten._to_copy.default,
+        prims.convert_element_type.default,
+    }
+)
+#: consumers that read a few rows of a weight: a cast view feeding them is still folded
+_INDEXING = frozenset(
+    {
+        aten.embedding.default,
+        aten.index.Tensor,
+        aten.index_select.default,
+        aten.gather.default,
+        aten.select.int,
+        aten.slice.Tensor,
+    }
+)
+
+
+def _weight_view(n: Any) -> bool:
+    """``n`` is a chain of ``WEIGHT_VIEWS`` over one weight, read whole by every consumer."""
+    if any(u.target in _INDEXING for u in n.users):
+        return False
+    while n.op == "call_function":
+        if n.target not in WEIGHT_VIEWS or len(n.all_input_nodes) != 1:
+            return False
+        n = n.all_input_nodes[0]
+    return True  # a get_attr or a frozen placeholder (the caller knows n is constant)
 
 
 @cache
@@ -119,6 +166,9 @@ def constant_folding(gm, rw):
         for n in frontier:
             if not is_static(n.meta["val"]):
                 rw.skip(f"{n.name}: symbolic shape, not folded")
+                continue
+            if _weight_view(n):
+                rw.skip("a layout/dtype view of one weight, left to the backend (not worth a copy)")
                 continue
             out = _nbytes(n.meta["val"])
             if out > min_bytes and out > max_growth * max(leaf_bytes[n], 1):

@@ -471,8 +471,13 @@ def test_llm_block_end_to_end() -> None:
     with torch.no_grad():
         assert_close(run_onnx(model, [x]), block(x))
 
-    weights = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    assert weights and weights <= {t.name for t in model.graph.initializer}
+    # a weight read through a transpose is written once, transposed, under the view's name
+    names = {t.name for t in model.graph.initializer}
+    weights = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert weights and all(
+        str(w.target) in names or all(u.name in names for u in w.users) for w in weights
+    )
+    assert any(u.target == aten.t.default for w in weights for u in w.users)
     assert not any(nd.op_type == "Constant" for nd in model.graph.node)
 
 
@@ -682,3 +687,27 @@ def test_meta_disagreement_is_an_error_not_silenced() -> None:
 def test_old_opset_is_refused() -> None:
     with pytest.raises(LoweringError, match="opset"):
         lower(trace(lambda x: x + 1, torch.randn(2)), opset=13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_views_become_one_initializer(dtype: torch.dtype) -> None:
+    """A transpose (and bf16 -> f32 cast) of a weight is written once as the initializer the
+    MatMul reads: no Transpose/Cast node, no second copy of the weight (issue 12, item 2)."""
+    lin = nn.Linear(4, 6, bias=False).to(dtype)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x @ lin.weight.to(torch.float32).t()
+
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        gm = make_fx(f, tracing_mode="real")(x)
+    gm.graph.eliminate_dead_code()
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(x)
+    assert any(n.op == "get_attr" and n.meta["val"].dtype == dtype for n in gm.graph.nodes)
+    model = lower(gm)
+    inits = list(model.graph.initializer)
+    assert len(inits) == 1 and list(inits[0].dims) == [4, 6]
+    assert inits[0].data_type == onnx.TensorProto.FLOAT
+    assert {nd.op_type for nd in model.graph.node} == {"MatMul", "Identity"}
+    with torch.no_grad():
+        assert_close(run_onnx(model, [x]), f(x))

@@ -212,4 +212,3 @@ def _axes(dims: Any, rank: int) -> list[int]:
 def _pair(v: Any, k: int) -> list[int]:
     v = [v] if isinstance(v, int) else list(v)
     return v * k if len(v) == 1 else v
-

@@ -106,4 +106,3 @@ def check_to_copy(n: fx.Node) -> str | None:
 
 def check_bitwise(n: fx.Node) -> str | None:
     return None if _dtype(n) == torch.bool else "bitwise ops are lowered for bool tensors only"
-

@@ -10,11 +10,13 @@ papered over.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 from torch import fx
 
 from fxpass.backends.bpu.lowering.builder import (
@@ -51,15 +53,55 @@ def _live_nodes(results: list[Any]) -> set[fx.Node]:
     return live
 
 
-def _add_weight(b: _Builder, n: fx.Node) -> str:
+#: a weight to write: (ONNX dtype, shape, a function returning its contiguous array)
+Weight = tuple[int, list[int], Callable[[], np.ndarray]]
+
+
+def _add_weight(weights: dict[str, Weight], n: fx.Node) -> str:
+    """A get_attr constant, written as the initializer named after its attribute."""
     name = str(n.target)
-    if name not in b.inits:
+    if name not in weights:
         value = _fetch_attr(n)
         if not isinstance(value, torch.Tensor):
             raise _fail(n, f"attribute is a {type(value).__name__}, not a tensor")
-        array = value.detach().cpu().contiguous().numpy()
-        b.inits[name] = numpy_helper.from_array(array, name)
+        weights[name] = (_ONNX_DTYPE[value.dtype], list(value.shape), lambda: _array(value))
     return name
+
+
+def _add_view(weights: dict[str, Weight], n: fx.Node) -> str:
+    """A weight view (a transpose and/or cast of one weight, see ``WEIGHT_VIEWS``), written as
+    one initializer named after the node: computed from the real weight only while it is
+    written, so it is the one copy of that weight the lowering makes (folding it in the graph
+    first would keep one more for the lifetime of the graph)."""
+    v = _val(n)
+    weights[n.name] = (_ONNX_DTYPE[v.dtype], [int(d) for d in v.shape], lambda: _array(n))
+    return n.name
+
+
+def _array(x: fx.Node | torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        t = x if isinstance(x, torch.Tensor) else _view_value(x)
+        return t.detach().cpu().contiguous().numpy()
+
+
+def _view_value(n: fx.Node) -> torch.Tensor:
+    if n.op != "call_function":
+        value = _fetch_attr(n)
+        if not isinstance(value, torch.Tensor):
+            raise _fail(n, f"attribute is a {type(value).__name__}, not a tensor")
+        return value
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), _view_value)
+    return n.target(*args, **kwargs)
+
+
+def _write_weights(graph: onnx.GraphProto, weights: dict[str, Weight]) -> None:
+    """Each weight straight into the model's own initializer list, one at a time: a
+    TensorProto built elsewhere would be copied once more on the way in."""
+    for name, (dtype, shape, array) in weights.items():
+        t = graph.initializer.add()
+        t.name, t.data_type = name, dtype
+        t.dims.extend(shape)
+        t.raw_data = array().tobytes()
 
 
 def _is_static(vi: onnx.ValueInfoProto | None) -> bool:
@@ -93,6 +135,7 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
     if opset < 18:
         raise LoweringError(f"opset {opset} is too old: emitters use opset-18 forms; use >= 18")
     b, reasons = _Builder(), Reasons()
+    weights: dict[str, Weight] = {}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     res = out_node.args[0]
     results = list(res) if isinstance(res, tuple | list) else [res]
@@ -107,8 +150,11 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
         if n.op == "placeholder":
             inputs.append(_tensor_info(n.name, _val(n)))
             b.names[n] = n.name
-        elif n.op == "get_attr":
-            b.names[n] = _add_weight(b, n)
+        elif n.op == "get_attr" or reasons.weight_view(n):
+            if n.users and all(reasons.weight_view(u) for u in n.users if u in live):
+                continue  # inside a weight view: written once, at the chain's end
+            add = _add_weight if n.op == "get_attr" else _add_view
+            b.names[n] = add(weights, n)
         elif n.target is operator.getitem:
             src, idx = n.args
             b.names[n] = b.tuples[src][idx]
@@ -124,10 +170,13 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
         b.nodes.append(helper.make_node("Identity", [b.names[r]], [f"out{k}"], name=f"out{k}"))
         outputs.append(_tensor_info(f"out{k}", _val(r)))
 
+    # Weights enter as graph inputs for shape inference and the checker (which serialize the
+    # whole model, several times): they need only dtype and shape. The data goes in last.
+    weight_inputs = [helper.make_tensor_value_info(k, d, s) for k, (d, s, _) in weights.items()]
     graph = helper.make_graph(
         b.nodes,
         name,
-        inputs,
+        inputs + weight_inputs,
         outputs,
         initializer=list(b.inits.values()),
         value_info=[_tensor_info(k, v) for k, v in b.declared.items()],
@@ -149,4 +198,6 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
             f"region '{name}' lowered to an invalid ONNX model ({e}); this is a bug in an "
             "emitter in backends/bpu/lowering/ — the failing node name is the FX node name"
         ) from e
+    del model.graph.input[len(inputs) :]
+    _write_weights(model.graph, weights)
     return model

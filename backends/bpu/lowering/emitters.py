@@ -348,4 +348,3 @@ def _masked_fill(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     ct = _widen(dt)
     fill, keep = b.t(a["value"], ct), b.t(a["self"], ct)
     return b.cast(b.op("Where", b.t(a["mask"], torch.bool), fill, keep), ct, dt)
-

@@ -160,4 +160,3 @@ def _full_like(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
 
 def _scalar_tensor(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     return b.const(a["s"], _dtype(n))
-

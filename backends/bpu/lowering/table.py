@@ -25,6 +25,7 @@ from fxpass.backends.bpu.lowering import checks as ck
 from fxpass.backends.bpu.lowering import emitters as e
 from fxpass.backends.bpu.lowering import nn
 from fxpass.backends.bpu.lowering.builder import Emitter, _target_name, _val
+from fxpass.graph import FROZEN
 
 if TYPE_CHECKING:
     from fxpass.backends.bpu.capability import March
@@ -230,6 +231,31 @@ OPS: dict[Any, Op] = {
     ),
 }
 
+#: Pure layout/dtype ops. A chain of them over one constant (a frozen weight, a get_attr) is a
+#: *weight view*: the lowering computes it once from the real weight and writes the result as
+#: one initializer (a transposed and/or float32 copy of a bf16 weight), so no rule has to
+#: materialize it in the graph first, and no emitter runs for it. Its family does not matter:
+#: nothing of it runs on the device. A superset of what ``constant_folding`` leaves unfolded.
+WEIGHT_VIEWS = frozenset(
+    {
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.alias.default,
+        aten._to_copy.default,
+        prims.convert_element_type.default,
+    }
+)
+
 #: aten overload -> emitter (a view of ``OPS`` for callers that only need the emitter)
 LOWERINGS: dict[Any, Emitter] = {t: op.emit for t, op in OPS.items()}
 FAMILIES: dict[str, tuple[Any, ...]] = {}
@@ -251,6 +277,37 @@ class Reasons:
         self.march = march
         self._value: dict[fx.Node, str | None] = {}
         self._node: dict[fx.Node, str | None] = {}
+        self._views: dict[fx.Node, bool] = {}
+
+    def weight_view(self, n: fx.Node) -> bool:
+        """Whether ``n`` is a chain of ``WEIGHT_VIEWS`` ops over one constant (see there)."""
+        if n in self._views:
+            return self._views[n]
+        ins = n.all_input_nodes
+        ok = self._views[n] = (
+            n.op == "call_function"
+            and n.target in WEIGHT_VIEWS
+            and len(ins) == 1
+            and (is_constant(ins[0]) or self.weight_view(ins[0]))
+        )
+        return ok
+
+    def _view_reason(self, node: fx.Node) -> str | None:
+        """A weight view (or a constant only weight views read) may hold any dtype torch can
+        compute in: it is written as an initializer in its *consumers'* dtype, which their own
+        input checks judge. Only a static shape within the rank limit is needed, and a value
+        that leaves the chain must be one the region can hold."""
+        v = _val(node)
+        if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
+            return ck.tensor_reason(v)
+        if node.users and not all(self.weight_view(u) for u in node.users):
+            why = self.value(node)  # leaves the chain: consumers (or the region) read it
+            if why:
+                return why
+        if self.march is not None and v.dim() > self.march.max_rank:
+            return f"rank {v.dim()} > {self.march.max_rank}"
+        op = OPS.get(node.target)
+        return op.check(node) if op is not None and op.check is not None else None
 
     def __call__(self, node: fx.Node) -> str | None:
         if node in self._node:
@@ -284,11 +341,15 @@ class Reasons:
         if node.op == "output":
             return None
         if node.op in ("placeholder", "get_attr"):
+            if is_constant(node) and node.users and all(self.weight_view(u) for u in node.users):
+                return self._view_reason(node)
             return self.value(node)
         if node.op != "call_function":
             return f"{node.op} nodes are not lowered; only aten call_function nodes are"
         if node.target is operator.getitem:
             return self._element(node)
+        if self.weight_view(node):
+            return self._view_reason(node)
         t, m = node.target, self.march
         op = OPS.get(t)
         if m is not None and (op is None or op.family not in m.families):
@@ -341,6 +402,11 @@ def _unproduced_use(node: fx.Node, op: Op) -> str | None:
                 f"{sorted(op.outputs)} of it (no pooling indices or batch statistics)"
             )
     return None
+
+
+def is_constant(n: fx.Node) -> bool:
+    """A get_attr, or a placeholder the backend froze (``meta[FROZEN]`` holds the weight)."""
+    return n.op == "get_attr" or (n.op == "placeholder" and FROZEN in n.meta)
 
 
 def can_lower(node: fx.Node) -> str | None:
