@@ -2,10 +2,12 @@
 
 Prints the rewrites per rule, each region (nodes, MACs, boundary tensors), the offloaded
 share, and every node left on the CPU grouped by reason. ``--json`` for tools, ``--svg FILE``
-to draw the graph with regions coloured. MODEL is a built-in name
-(``fxpass.backends.bpu.zoo``: qwen3-tiny,
-llama, gpt2, bert, vit, ...) or ``path/to/file.py:factory`` where ``factory()`` returns
-``(model, kwargs)``.
+to draw the graph with regions coloured. ``--quantize [CONFIG]`` also compiles the regions,
+calibrates them on the model's example input and shows, per region, where Q/DQ went, what
+stayed float and the accuracy against the float region. MODEL is a built-in name
+(``fxpass.backends.bpu.zoo``: qwen3-tiny, llama, gpt2, bert, vit, ...) or
+``path/to/file.py:factory`` where ``factory()`` returns ``(model, kwargs)``,
+``(model, args_tuple)``, or ``(model, args_tuple, kwargs)``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,42 @@ from typing import Any
 
 import torch
 
+FACTORY_SHAPES = (
+    "(model, kwargs_dict), (model, args_tuple) or (model, args_tuple, kwargs_dict), with "
+    "model a torch.nn.Module (or callable) and the inputs the ones to explain it with"
+)
 
-def load_model(spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+
+def _split(out: Any, where: str) -> tuple[Any, tuple, dict[str, Any]]:
+    """A factory's return value -> (model, args, kwargs), or a SystemExit saying what is wrong."""
+    if not isinstance(out, tuple) or not 2 <= len(out) <= 3:
+        got = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
+        raise SystemExit(f"{where} returned {got}; it must return {FACTORY_SHAPES}")
+    model, rest = out[0], out[1:]
+    if not callable(model):
+        raise SystemExit(
+            f"{where} returned {type(model).__name__} as the model; it must return {FACTORY_SHAPES}"
+        )
+    if len(rest) == 2:
+        args, kw = rest
+    elif isinstance(rest[0], dict):
+        args, kw = (), rest[0]
+    else:
+        args, kw = rest[0], {}
+    if isinstance(args, list):
+        args = tuple(args)
+    if not isinstance(args, tuple) or not isinstance(kw, dict):
+        raise SystemExit(
+            f"{where} returned inputs of type {type(args).__name__}/{type(kw).__name__}; it "
+            f"must return {FACTORY_SHAPES} (a single tensor goes in a tuple: (model, (x,)))"
+        )
+    if not all(isinstance(k, str) for k in kw):
+        raise SystemExit(f"{where} returned kwargs with non-string keys; keys are argument names")
+    return model, args, kw
+
+
+def load_inputs(spec: str) -> tuple[Any, tuple, dict[str, Any]]:
+    """``(model, args, kwargs)`` for a built-in name or ``path/to/file.py:factory``."""
     from fxpass.backends.bpu import zoo
 
     if ":" in spec and spec.split(":")[0].endswith(".py"):
@@ -31,13 +67,25 @@ def load_model(spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
             raise SystemExit(f"cannot import {path}")
         mod = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(mod)
-        out = getattr(mod, factory)()
-        model, kw = out if isinstance(out, tuple) else (out, {})
-        return model.eval(), kw
+        if not callable(getattr(mod, factory, None)):
+            raise SystemExit(f"{path} has no function {factory!r}")
+        model, args, kw = _split(getattr(mod, factory)(), f"{path}:{factory}()")
+        if isinstance(model, torch.nn.Module):
+            model = model.eval()
+        return model, args, kw
     try:
-        return zoo.get(spec)
+        model, kw = zoo.get(spec)
     except ValueError as e:
         raise SystemExit(f"{e}; or pass path/to/file.py:factory") from None
+    return model, (), kw
+
+
+def load_model(spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``(model, kwargs)`` (kept for callers of the two-value form; positional args refused)."""
+    model, args, kw = load_inputs(spec)
+    if args:
+        raise SystemExit(f"{spec} gives positional inputs; use load_inputs() for those")
+    return model, kw
 
 
 def explain(
@@ -45,6 +93,7 @@ def explain(
     march_name: str = "nash-p",
     min_compute_macs: int | None = None,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     from fxpass import PassManager, select_rules
     from fxpass import capture_graphs as capture
@@ -59,9 +108,9 @@ def explain(
             print(f"[fxpass explain] {msg}...", file=sys.stderr, flush=True)
 
     step(f"building {spec}")
-    model, kw = load_model(spec)
+    model, args, kw = load_inputs(spec)
     step("capturing the aten graph (Dynamo + AOTAutograd)")
-    graphs = capture(model, **kw)
+    graphs = capture(model, *args, **kw)
     out: dict[str, Any] = {"model": spec, "march": march_name, "graphs": []}
     m = march(march_name)
     threshold = DEFAULT_MIN_MACS["onnxruntime"] if min_compute_macs is None else min_compute_macs
@@ -107,7 +156,69 @@ def explain(
                 "_part": part,
             }
         )
+    if quantize:
+        step(f"quantizing regions ({quantize}) and calibrating on the example input")
+        out["quantize"] = quantize_regions(model, args, kw, quantize, march_name, threshold)
+        out["quantize_config"] = quantize
     return out
+
+
+def quantize_regions(
+    model: Any, args: tuple, kw: dict[str, Any], config: str, march_name: str, min_macs: int
+) -> list[dict[str, Any]]:
+    """Compile with ``quantize=config``, calibrate on the example input, and return per region
+    where Q/DQ went, what stayed float and the accuracy against the float region."""
+    from fxpass.backends.bpu.calibration import calibrate
+
+    opts = {
+        "quantize": config,
+        "march": march_name,
+        "min_compute_macs": min_macs,
+        "executor": "onnxruntime",
+        "cache": False,
+    }
+    fn = torch.compile(model, backend="fxpass_bpu", dynamic=False, options=opts)
+    out = []
+    for i in calibrate(lambda a, k: fn(*a, **k), [(args, kw)]):
+        s = i.summary
+        out.append(
+            {
+                "region": i.region,
+                "config": i.config,
+                "state": i.state,
+                "cosine": i.cosine,
+                "max_abs_error": i.max_abs_error,
+                "qdq_on": s.get("quantized", {}),
+                "qdq_nodes": s.get("quantized_nodes", []),
+                "q_dtype": s.get("q_nodes", {}),
+                "quantized_weights": s.get("quantized_weights", 0),
+                "float": s.get("float", {}),
+                "host_integer_kernels": s.get("host_integer_kernels", {}),
+            }
+        )
+    return out
+
+
+def _render_quant(q: list[dict[str, Any]], config: str) -> list[str]:
+    lines = [f"quantize {config}, calibrated on the example input (accuracy vs the float region):"]
+    for r in q:
+        if r["cosine"] is None:
+            lines.append(f"  {r['region']}: {r['state']}")
+            continue
+        on = ", ".join(f"{k} x{v}" for k, v in sorted(r["qdq_on"].items())) or "nothing"
+        dt = ", ".join(r["q_dtype"]) or "-"
+        names = ", ".join(r["qdq_nodes"][:6]) + (" ..." if len(r["qdq_nodes"]) > 6 else "")
+        fl = ", ".join(f"{k} x{v}" for k, v in sorted(r["float"].items(), key=lambda kv: -kv[1]))
+        ik = ", ".join(f"{k} x{v}" for k, v in r["host_integer_kernels"].items()) or "none"
+        lines += [
+            f"  {r['region']}: cosine {r['cosine']:.6f}, max abs error {r['max_abs_error']:.3g}",
+            f"    Q/DQ ({dt}) on the inputs of {on}; "
+            f"{r['quantized_weights']} int8 per-channel weight(s)",
+            f"    quantized: {names}",
+            f"    stayed float: {fl or '-'}",
+            f"    host integer kernels (onnxruntime): {ik}",
+        ]
+    return lines
 
 
 def _desc(n: Any) -> str:
@@ -135,6 +246,8 @@ def render(info: dict[str, Any]) -> str:
         for why, names in sorted(g["cpu"].items(), key=lambda kv: -len(kv[1])):
             shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
             lines.append(f"  on CPU x{len(names)}: {why}: {shown}")
+    if info.get("quantize") is not None:
+        lines += _render_quant(info["quantize"], info["quantize_config"])
     return "\n".join(lines)
 
 
@@ -185,7 +298,13 @@ def svg(info: dict[str, Any], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    info = explain(args.model, args.march, args.min_compute_macs, progress=not args.json)
+    info = explain(
+        args.model,
+        args.march,
+        args.min_compute_macs,
+        progress=not args.json,
+        quantize=getattr(args, "quantize", None),
+    )
     if args.svg:
         svg(info, args.svg)
     public = {

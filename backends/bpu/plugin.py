@@ -33,6 +33,9 @@ def _explain_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.add_argument("--svg", metavar="FILE", help="draw the graph with regions coloured")
     e.add_argument("--min-compute-macs", type=int, default=None)
+    e.add_argument("--quantize", nargs="?", const="w8a16", default=None, metavar="CONFIG",
+                   help="also quantize regions (w8a16 by default, or w8a8), calibrate on the "
+                   "example input, and show per region where Q/DQ went and what stayed float")
 
 
 def _run_demo(args: argparse.Namespace) -> int:

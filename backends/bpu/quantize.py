@@ -327,6 +327,7 @@ def summarize(proto: onnx.ModelProto, march: str) -> dict[str, Any]:
     prod = _producers(g)
     integer = set(integer_input_ops(march))
     quantized: Counter[str] = Counter()
+    names: list[str] = []
     float_ops: Counter[str] = Counter()
     qdq_bits: Counter[str] = Counter()
     for n in g.node:
@@ -340,12 +341,14 @@ def summarize(proto: onnx.ModelProto, march: str) -> dict[str, Any]:
             p is not None and p.op_type == "DequantizeLinear" for p in fed
         ):
             quantized[n.op_type] += 1
+            names.append(n.name or n.output[0])
         else:
             float_ops[n.op_type] += 1
     inits = {i.name for i in g.initializer}
     weights_q = sum(1 for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits)
     return {
         "quantized": dict(quantized),
+        "quantized_nodes": names,
         "float": dict(float_ops),
         "q_nodes": dict(qdq_bits),
         "quantized_weights": weights_q,
