@@ -8,12 +8,14 @@ is needed. Options arrive as ``torch.compile(..., options={...})``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from operator import getitem
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from fxpass._capture import aot_backend
+from fxpass.backends.bpu import plan
 from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
@@ -45,12 +48,16 @@ MAX_REBUILDS = 2
 #: fxpass.compile_reports() keeps the most recent reports only (each holds a rewrite ledger).
 MAX_REPORTS = 256
 _WARNED: set[str] = set()
+#: What the backend did in this process: "rules" (pass-manager runs), "partition", "plan_hit",
+#: "plan_miss", "plan_stored", "parallel_compiles". Tests assert on it (never on timings).
+STATS: Counter[str] = Counter()
 
 
 def _warn_once(key: str, msg: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(f"fxpass_bpu: {msg}", stacklevel=3)
+
 
 OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "march": (str, f"target march, one of {sorted(MARCHES)} (default {DEFAULT_MARCH})"),
@@ -61,6 +68,7 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "cache": (bool, "use the artifact cache (default True)"),
     "enable": ((list, tuple), "extra rule names to enable"),
     "disable": ((list, tuple), "rule names to disable"),
+    "only": ((list, tuple), "run exactly these rules (instead of the bpu target's)"),
     "check": (bool, "run rule contract checks while compiling"),
     "threads": ((int, type(None)), "onnxruntime intra-op threads"),
     "host_fusions": (bool, "onnxscript's onnxruntime fusions on host regions (default True)"),
@@ -126,7 +134,9 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
         resolve_config(opts.get("quantize"))
     except QuantizationError as e:
         raise TypeError(f"fxpass_bpu option 'quantize': {e}") from None
-    select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
+    select_rules(
+        target="bpu", enable=opts.get("enable"), disable=opts.get("disable"), only=opts.get("only")
+    )
     return opts
 
 
@@ -255,39 +265,38 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     growing = warn_if_growing(gm)
     if growing:
         report.notes.append(growing)
-    rules = select_rules(target="bpu", enable=opts.get("enable"), disable=opts.get("disable"))
+    rules = select_rules(
+        target="bpu", enable=opts.get("enable"), disable=opts.get("disable"), only=opts.get("only")
+    )
+    cache = ArtifactCache(opts.get("cache_dir")) if opts["cache"] else None
+    pkey = plan.key_for(gm, opts, rules, kind, cache)
+    if pkey is not None:
+        out = plan.apply(cache, pkey, opts, report, functools.partial(_region_eager, gm, opts))
+        if out is not None:
+            STATS["plan_hit"] += 1
+            return _finish(out, report, t0), report
+        STATS["plan_miss"] += 1
+    STATS["rules"] += 1
     rr = PassManager(rules, check=opts["check"]).run(gm, recompile=False)
     report.rules, report.rewrites = rr, dict(rr.rewrites)
     min_macs = opts.get("min_compute_macs")
     if min_macs is None:
         min_macs = DEFAULT_MIN_MACS[kind]
+    STATS["partition"] += 1
     part = partition(gm, Capability(m), min_compute_macs=min_macs)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem]
     report.call_nodes = len(calls)
     report.macs = sum(macs(n) for n in calls)
     report.cpu_reasons = dict(Counter(part.rejected.values()))
     report.dropped = [f"{len(r.nodes)} nodes: {why}" for r, why in part.dropped]
-    cache = ArtifactCache(opts.get("cache_dir")) if opts["cache"] else None
-    spliced = []
-    for r in part.regions:
-        name = f"g{report.graph}_r{r.id}"
-        try:
-            rg = extract(gm, r)
-            c = compile_region(
-                rg,
-                name,
-                march=m.name,
-                executor=kind,
-                cache=cache,
-                options={k: opts.get(k) for k in ("enable", "disable", "host_fusions", "quantize")},
-                threads=opts.get("threads"),
-            )
-            inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
-            call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts["strict"])
-        except Exception as e:  # noqa: BLE001 - a region that cannot compile stays eager
+    spliced, entries = [], []
+    for r, name, rg, c, call, err in _compile_regions(
+        gm, part.regions, report.graph, m, kind, opts, cache
+    ):
+        if err is not None:  # a region that cannot compile stays eager
             if opts["strict"]:
-                raise RuntimeError(f"fxpass_bpu: region {name} failed to compile: {e}") from e
-            fallback = f"{type(e).__name__}: {e}"
+                raise RuntimeError(f"fxpass_bpu: region {name} failed to compile: {err}") from err
+            fallback = f"{type(err).__name__}: {err}"
             warnings.warn(
                 f"fxpass_bpu: region {name} failed to compile and runs eagerly: {fallback}",
                 stacklevel=2,
@@ -296,6 +305,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
                 RegionReport(name, len(r.nodes), r.macs, 0, 0, "eager", False, fallback)
             )
             continue  # its nodes stay in the graph and run in PyTorch
+        entries.append(plan.region_entry(f"bpu_region_{len(spliced)}", r.id, name, c, rg, r))
         spliced.append((rg, call))
         report.regions.append(
             RegionReport(
@@ -314,9 +324,83 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         report.offloaded_macs += r.macs
     out = splice(gm, spliced) if spliced else gm
     out.graph.eliminate_dead_code()
+    if pkey is not None and len(entries) == len(part.regions):  # no region fell back
+        STATS["plan_stored"] += plan.store(cache, pkey, out, entries, plan.report_fields(report))
     out.recompile()
+    return _finish(out, report, t0), report
+
+
+def _finish(out: GraphModule, report: GraphReport, t0: float) -> GraphModule:
     report.compile_seconds = time.perf_counter() - t0
     REPORTS.append(report)
     del REPORTS[:-MAX_REPORTS]  # a server compiling many graphs must not grow without bound
     log.info(report.summary())
-    return out, report
+    return out
+
+
+def _region_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The options that shape a region's artifact (part of its cache key)."""
+    return {k: opts.get(k) for k in ("enable", "disable", "only", "host_fusions", "quantize")}
+
+
+def _compile_regions(
+    gm: GraphModule, regions: list, graph: int, m: Any, kind: str, opts: dict, cache: Any
+) -> list[tuple]:
+    """Extract each region (in order: it reads the shared graph), then compile them in a thread
+    pool bounded by the CPU count: ORT session creation, onnx shape inference, hashing and
+    hbdk4 release the GIL. Returns (region, name, RegionGraph, Compiled, RegionCall, error)
+    per region, in region order; a failure is returned, not raised, so each region keeps its
+    own fallback (or strict error) exactly as when compiled one by one."""
+    jobs = []
+    for r in regions:
+        name = f"g{graph}_r{r.id}"
+        try:
+            jobs.append((r, name, extract(gm, r), None))
+        except Exception as e:  # noqa: BLE001 - reported per region by the caller
+            jobs.append((r, name, None, e))
+
+    def build(job: tuple) -> tuple:
+        r, name, rg, err = job
+        if err is not None:
+            return (r, name, rg, None, None, err)
+        try:
+            c = compile_region(
+                rg,
+                name,
+                march=m.name,
+                executor=kind,
+                cache=cache,
+                options=_region_options(opts),
+                threads=opts.get("threads"),
+            )
+            inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
+            call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts["strict"])
+        except Exception as e:  # noqa: BLE001 - reported per region by the caller
+            return (r, name, rg, None, None, e)
+        return (r, name, rg, c, call, None)
+
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1:
+        return [build(j) for j in jobs]
+    STATS["parallel_compiles"] += 1
+    with ThreadPoolExecutor(workers, thread_name_prefix="fxpass-region") as pool:
+        return list(pool.map(build, jobs))
+
+
+def _region_eager(gm: GraphModule, opts: dict[str, Any], rid: int) -> GraphModule:
+    """Region ``rid``'s eager graph, rebuilt from the captured graph (a plan hit has none):
+    the same rules and partition as the cold compile, on a copy."""
+    g = _clone(gm)
+    rules = select_rules(
+        target="bpu", enable=opts.get("enable"), disable=opts.get("disable"), only=opts.get("only")
+    )
+    STATS["rules"] += 1
+    PassManager(rules, check=False).run(g, recompile=False)
+    kind = resolve_executor(opts["executor"])
+    min_macs = opts.get("min_compute_macs")
+    min_macs = DEFAULT_MIN_MACS[kind] if min_macs is None else min_macs
+    part = partition(g, Capability(march(opts["march"])), min_compute_macs=min_macs)
+    for r in part.regions:
+        if r.id == rid:
+            return extract(g, r).gm
+    raise RuntimeError(f"fxpass_bpu: region {rid} is not in the rebuilt partition")

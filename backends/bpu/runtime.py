@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -99,23 +100,36 @@ class RegionCall(torch.nn.Module):
         self,
         name: str,
         executor: Any,
-        eager: GraphModule,
+        eager: GraphModule | Callable[[], GraphModule],
         expected: list[Any],
         strict: bool = False,
+        out_shapes: list[torch.Size | None] | None = None,
     ):
+        """``eager`` is the region's own graph, or (on a cached plan, where the rules did not
+        run) a function that rebuilds it; it is only needed if the executor fails."""
         super().__init__()
         self.name = name
         self.executor = executor
-        self.eager = eager
+        self._eager_factory = None if isinstance(eager, GraphModule) else eager
+        if isinstance(eager, GraphModule):
+            self.eager = eager
         # torch.Size compares with a tensor's .shape without building tuples (per-call path)
         self.expected = [(torch.Size(v.shape), v.dtype) for v in expected]
-        (out,) = eager.graph.find_nodes(op="output")
-        vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in out.args[0]]
-        self.out_shapes = [
-            torch.Size(v.shape) if isinstance(v, torch.Tensor) else None for v in vals
-        ]
+        if out_shapes is None:
+            (out,) = eager.graph.find_nodes(op="output")
+            vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in out.args[0]]
+            out_shapes = [
+                torch.Size(v.shape) if isinstance(v, torch.Tensor) else None for v in vals
+            ]
+        self.out_shapes = out_shapes
         self.strict = strict
         self.failed: str | None = None if executor is not None else "not compiled"
+
+    def _eager(self) -> GraphModule:
+        if self._eager_factory is not None:
+            self.eager = self._eager_factory()
+            self._eager_factory = None
+        return self.eager
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.failed is None:
@@ -143,7 +157,7 @@ class RegionCall(torch.nn.Module):
                     )
                     break
             return outs
-        return tuple(self.eager(*tensors))
+        return tuple(self._eager()(*tensors))
 
     def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
         if self.strict:
@@ -154,4 +168,4 @@ class RegionCall(torch.nn.Module):
             RegionFallbackWarning,
             stacklevel=2,
         )
-        return tuple(self.eager(*tensors))
+        return tuple(self._eager()(*tensors))

@@ -79,3 +79,177 @@ def test_corrupt_manifest_and_atomic_put(tmp_path):
     assert not art.exists()
     assert not list(tmp_path.rglob("*.tmp"))  # no temp files left behind
     fxpass.compile_reports()  # public accessor exists
+
+
+# -- cached plans: a warm compile skips the rules and the partitioner (issue 12, item 3) --------
+
+from fxpass.backends.bpu import backend as backend_mod  # noqa: E402
+from fxpass.backends.bpu import digest as digest_mod  # noqa: E402
+from fxpass.backends.bpu import plan as plan_mod  # noqa: E402
+from fxpass.backends.bpu.runtime import RegionFallbackWarning  # noqa: E402
+
+XS = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
+    ).eval()
+
+
+def _compile(m, x=XS, **options):
+    """A fresh Dynamo graph compiled and run once: (max error vs eager, report, stats delta)."""
+    torch._dynamo.reset()
+    before = dict(backend_mod.STATS)
+    with torch.no_grad():
+        got = torch.compile(
+            m, backend="fxpass_bpu", dynamic=False, options={"min_compute_macs": 0, **options}
+        )(x)
+        err = (got - m(x)).abs().max().item()
+    delta = {k: v - before.get(k, 0) for k, v in backend_mod.STATS.items()}
+    return err, fxpass.compile_reports()[-1], {k: v for k, v in delta.items() if v}
+
+
+def test_warm_compile_loads_the_plan_and_runs_no_rule(tmp_path):
+    m = _mlp()
+    err, r, d = _compile(m, cache_dir=str(tmp_path))
+    assert err < 1e-5 and d == {"plan_miss": 1, "rules": 1, "partition": 1, "plan_stored": 1}
+    err, r2, d = _compile(m, cache_dir=str(tmp_path))
+    assert err < 1e-5
+    assert d == {"plan_hit": 1}, d  # no rules, no partition: the ledger says so
+    assert [g.cached for g in r2.regions] == [True]
+    assert r2.offloaded_macs == r.offloaded_macs and r2.call_nodes == r.call_nodes
+    assert any("plan loaded" in n for n in r2.notes)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["weight", "option", "graph", "rule_set"],
+)
+def test_plan_misses_on_any_change(tmp_path, change):
+    m = _mlp()
+    assert _compile(m, cache_dir=str(tmp_path))[2]["plan_stored"] == 1
+    x, opts = XS, {"cache_dir": str(tmp_path)}
+    if change == "weight":
+        with torch.no_grad():
+            m[2].weight[15, 31] += 0.5  # one element: a full digest, not a sample
+    elif change == "option":
+        opts["host_fusions"] = False
+    elif change == "graph":
+        x = torch.randn(5, 16)
+    else:
+        opts["disable"] = ["cse"]
+    err, _, d = _compile(m, x, **opts)
+    assert err < 1e-5
+    assert d.get("plan_miss") == 1 and d.get("rules") == 1 and "plan_hit" not in d
+
+
+def test_graph_key_covers_plugin_rule_version_and_source(tmp_path, monkeypatch):
+    from fxpass._capture import capture_graphs as _cg
+    from fxpass.plugins import select_rules
+
+    (c,) = _cg(_mlp(), XS)
+    rules = select_rules(target="bpu")
+    opts = backend_mod.validate_options({"cache_dir": str(tmp_path)})
+    k = plan_mod.graph_key(c.gm, opts, rules, "onnxruntime")
+    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") == k  # stable
+    monkeypatch.setattr(digest_mod, "_dist_version", lambda dist: "99.0")
+    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k  # a plugin upgrade
+    monkeypatch.undo()
+    monkeypatch.setattr(digest_mod, "module_digest", lambda name: "edited")
+    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k  # an edited rule module
+    monkeypatch.undo()
+    assert plan_mod.graph_key(c.gm, opts, rules[:-1], "onnxruntime") != k  # one rule fewer
+    assert plan_mod.graph_key(c.gm, {**opts, "march": "nash-e"}, rules, "onnxruntime") != k
+
+
+def test_region_failing_on_a_plan_hit_rebuilds_its_eager_graph(tmp_path, monkeypatch):
+    from fxpass.backends.bpu.runtime import RegionCall
+
+    m = _mlp()
+    _compile(m, cache_dir=str(tmp_path))
+    loaded = []
+    real_apply = plan_mod.apply
+
+    def apply(*a, **kw):
+        loaded.append(real_apply(*a, **kw))
+        return loaded[-1]
+
+    monkeypatch.setattr(plan_mod, "apply", apply)
+    torch._dynamo.reset()
+    before = backend_mod.STATS["rules"]
+    with torch.no_grad():
+        f = torch.compile(
+            m,
+            backend="fxpass_bpu",
+            dynamic=False,
+            options={"min_compute_macs": 0, "cache_dir": str(tmp_path)},
+        )
+        f(XS)
+        assert backend_mod.STATS["rules"] == before and loaded[0] is not None  # a hit
+
+        def broken(*a):
+            raise RuntimeError("device lost")
+
+        calls = [c for c in loaded[0].modules() if isinstance(c, RegionCall)]
+        assert len(calls) == 1 and calls[0]._eager_factory is not None  # not built yet
+        calls[0].executor = broken
+        with pytest.warns(RegionFallbackWarning, match="device lost"):
+            got = f(XS)
+        assert (got - m(XS)).abs().max().item() < 1e-5
+        f(XS)
+    assert backend_mod.STATS["rules"] == before + 1  # rebuilt on demand, once
+
+
+def test_weight_digest_is_memoized_exact_and_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    t = torch.randn(64, 64)
+    h0, m0 = digest_mod.STATS["hashed"], digest_mod.STATS["memo"]
+    d = digest_mod.tensor_digest(t)
+    assert digest_mod.tensor_digest(t.detach()) == d  # same storage and version: memo
+    assert (digest_mod.STATS["hashed"], digest_mod.STATS["memo"]) == (h0 + 1, m0 + 1)
+    with torch.no_grad():
+        t[63, 63] += 1  # an in-place write bumps the version: hashed again, and differs
+    assert digest_mod.tensor_digest(t) != d
+    assert digest_mod.tensor_digest(t.clone()) == digest_mod.tensor_digest(t)  # content only
+    bf = torch.randn(8, 8).to(torch.bfloat16)  # no numpy bf16: hashed through a uint8 view
+    assert digest_mod.tensor_digest(bf) != digest_mod.tensor_digest(bf.float())
+    assert digest_mod.tensor_digest(t.t()) != digest_mod.tensor_digest(t)  # non-contiguous
+    ref = weakref.ref(t)
+    n = len(digest_mod._MEMO)
+    del t
+    gc.collect()
+    assert ref() is None and len(digest_mod._MEMO) < n  # the memo held no reference
+
+
+def test_regions_compile_in_parallel_and_keep_per_region_fallback(tmp_path, monkeypatch):
+    class TwoRegions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            h = torch.cumsum(h, dim=-1)  # not in the nash-p table: splits the graph
+            return self.b(h)
+
+    m = TwoRegions().eval()
+    err, r, d = _compile(m, cache_dir=str(tmp_path))
+    assert err < 1e-4 and len(r.regions) == 2 and all(g.fallback is None for g in r.regions)
+    assert d.get("parallel_compiles") == 1
+    real = backend_mod.compile_region
+
+    def flaky(rg, name, **kw):
+        if name.endswith("_r0"):
+            raise RuntimeError("hbdk4 says no")
+        return real(rg, name, **kw)
+
+    monkeypatch.setattr(backend_mod, "compile_region", flaky)
+    with pytest.warns(UserWarning, match="hbdk4 says no"):
+        err, r, d = _compile(m, cache=False)
+    assert err < 1e-4 and [g.fallback is None for g in r.regions] == [False, True]
+    with pytest.raises(RuntimeError, match="region .*_r0 failed to compile: hbdk4 says no"):
+        _compile(m, cache=False, strict=True)

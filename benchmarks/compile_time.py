@@ -1,0 +1,310 @@
+"""Compile time of fxpass_bpu against inductor: cold first call and warm new process.
+
+    python -m benchmarks.compile_time                    # the matrix below, median of 3
+    python -m benchmarks.compile_time --repeats 5 --tokens 1,128
+    python -m benchmarks.compile_time --profile          # cProfile of the backend's own time
+    python -m benchmarks.compile_time --hash             # hash throughput (digest.py's choice)
+
+Every sample is a fresh Python process (imports and model construction are not timed; the
+timed span is ``torch.compile(...)`` plus the first call). How each cache is set:
+
+- cold: fxpass_bpu gets a new empty ``FXPASS_CACHE_DIR`` (its ``cache_dir``); inductor gets
+  ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` and a new empty ``TORCHINDUCTOR_CACHE_DIR``.
+- fill (inductor only): caches on, a new empty directory; what inductor's first compile costs
+  when it writes its caches (fxpass's cold sample fills its directory anyway).
+- warm: a second process over the directory its cold (fxpass) or fill (inductor) sample
+  filled; inductor then reuses its FX graph and AOTAutograd caches.
+
+The contenders are interleaved (fxpass cold, inductor cold, inductor fill, fxpass warm,
+inductor warm, then the next repeat), so load on a shared machine hits both alike. Results go
+to ``benchmarks/results/compile_time.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "results"
+MODELS = {
+    "qwen3-4x1024 fp32": ("qwen3", "float32"),
+    "llama-4x1024 fp32": ("llama", "float32"),
+    "qwen3-4x1024 bf16": ("qwen3", "bfloat16"),
+}
+
+CHILD = r"""
+import json, os, resource, sys, time
+spec = json.loads(sys.argv[1])
+import torch
+import fxpass.backends.bpu.zoo as zoo
+model, kw = zoo.get(spec["model"], layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000,
+                    tokens=spec["tokens"], dtype=getattr(torch, spec["dtype"]))
+if spec["backend"] == "fxpass_bpu":
+    opts = {"options": {"executor": "onnxruntime", "cache_dir": os.environ["FXPASS_CACHE_DIR"]}}
+else:
+    opts = {}
+prof = None
+if spec.get("profile"):
+    import cProfile
+    from fxpass.backends.bpu import backend as B
+    prof, inner = cProfile.Profile(), B.compile_graph
+    def compile_graph(gm, o):
+        prof.enable()
+        try:
+            return inner(gm, o)
+        finally:
+            prof.disable()
+    B.compile_graph = compile_graph
+with torch.no_grad():
+    t0 = time.perf_counter()
+    out = torch.compile(model, backend=spec["backend"], dynamic=False, **opts)(**kw)
+    first = time.perf_counter() - t0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+res = {"first_call_s": first, "maxrss_mb": rss}
+if spec["backend"] == "fxpass_bpu":
+    import fxpass
+    reps = fxpass.compile_reports()
+    res["backend_s"] = sum(r.compile_seconds for r in reps)
+    res["regions"] = sum(len(r.regions) for r in reps)
+    res["cached_regions"] = sum(g.cached for r in reps for g in r.regions)
+    res["plan_hit"] = any("plan loaded" in n for r in reps for n in r.notes)
+if prof is not None:
+    prof.dump_stats(spec["profile"])
+print("RESULT " + json.dumps(res))
+"""
+
+
+def child(spec: dict, env: dict[str, str]) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(spec)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def one_round(model: str, dtype: str, tokens: int, tmp: Path) -> dict[str, dict]:
+    """One interleaved round of every (contender, cache state) for one case."""
+    spec = {"model": model, "dtype": dtype, "tokens": tokens}
+    fx_dir, ind_cold, ind_warm = (Path(tempfile.mkdtemp(dir=tmp)) for _ in range(3))
+    fx = {**spec, "backend": "fxpass_bpu"}
+    ind = {**spec, "backend": "inductor"}
+    off = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_CACHE_DIR": str(ind_cold)}
+    on = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0", "TORCHINDUCTOR_CACHE_DIR": str(ind_warm)}
+    r = {
+        "fxpass_bpu cold": child(fx, {"FXPASS_CACHE_DIR": str(fx_dir)}),
+        "inductor cold": child(ind, off),
+        "inductor fill": child(ind, on),
+        "fxpass_bpu warm": child(fx, {"FXPASS_CACHE_DIR": str(fx_dir)}),
+        "inductor warm": child(ind, on),
+    }
+    for d in (fx_dir, ind_cold, ind_warm):
+        shutil.rmtree(d, ignore_errors=True)
+    return r
+
+
+def _median(samples: list[dict], key: str) -> float | None:
+    vals = [s[key] for s in samples if key in s and s[key] is not None]
+    return statistics.median(vals) if vals else None
+
+
+def run(cases: list[tuple[str, int]], repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
+    out["loadavg_start"] = os.getloadavg()
+    res: dict[str, dict[str, list]] = {}
+    with tempfile.TemporaryDirectory(prefix="fxpass-compile-time-") as tmp:
+        for rep in range(repeats):
+            for label, tokens in cases:
+                model, dtype = MODELS[label]
+                case = f"{label} t={tokens}"
+                r = one_round(model, dtype, tokens, Path(tmp))
+                for k, v in r.items():
+                    res.setdefault(case, {}).setdefault(k, []).append(v)
+                print(
+                    f"[compile_time] {rep + 1}/{repeats} {case}: {json.dumps(r)}", file=sys.stderr
+                )
+                _save(out, res)
+    out["loadavg_end"] = os.getloadavg()
+    return _save(out, res)
+
+
+def _save(out: dict, res: dict) -> dict:
+    out["cases"] = {
+        case: {
+            k: {
+                "samples": v,
+                "first_call_s": _median(v, "first_call_s"),
+                "backend_s": _median(v, "backend_s"),
+                "maxrss_mb": _median(v, "maxrss_mb"),
+            }
+            for k, v in per.items()
+        }
+        for case, per in res.items()
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "compile_time.json").write_text(json.dumps(out, indent=1) + "\n")
+    (OUT / "compile_time.md").write_text(markdown(out) + "\n")
+    return out
+
+
+def markdown(out: dict) -> str:
+    rows = [
+        f"Run {out['date']}, median of {out['repeats']} fresh processes per cell, interleaved; "
+        f"load average at start {tuple(round(x, 1) for x in out['loadavg_start'])}.",
+        "",
+        "| case | fxpass cold s | inductor cold s | cold ratio (bar <= 0.5) | fxpass warm s "
+        "| inductor warm s | warm ratio (bar <= 1.0) | fxpass backend cold / warm s "
+        "(bar 2 / 0.25) | inductor fill s | peak RSS cold MB fxpass / inductor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x: float | None) -> str:
+        return f"{x:.2f}" if x is not None else "n/a"
+
+    for case, c in out["cases"].items():
+        g = {k: c.get(k, {}) for k in c}
+        fc, ic = g["fxpass_bpu cold"].get("first_call_s"), g["inductor cold"].get("first_call_s")
+        fw, iw = g["fxpass_bpu warm"].get("first_call_s"), g["inductor warm"].get("first_call_s")
+        cr = f"{fc / ic:.2f}x" if fc and ic else "n/a"
+        wr = f"{fw / iw:.2f}x" if fw and iw else "n/a"
+        fcold, fwarm = g["fxpass_bpu cold"], g["fxpass_bpu warm"]
+        be = f"{f(fcold.get('backend_s'))} / {f(fwarm.get('backend_s'))}"
+        rss = (
+            f"{f(g['fxpass_bpu cold'].get('maxrss_mb'))} / {f(g['inductor cold'].get('maxrss_mb'))}"
+        )
+        rows.append(
+            f"| {case} | {f(fc)} | {f(ic)} | {cr} | {f(fw)} | {f(iw)} | {wr} | {be} | "
+            f"{f(g['inductor fill'].get('first_call_s'))} | {rss} |"
+        )
+    return "\n".join(rows)
+
+
+# -- cProfile of the backend's own time ----------------------------------------------------------
+
+STEPS = [  # (label, path substring, function name) of a pstats entry
+    ("plan key (graph + weight digests)", "bpu/plan.py", "key_for"),
+    ("plan load (artifacts, ORT sessions, graph)", "bpu/plan.py", "apply"),
+    ("  of which ORT session", "bpu/runtime.py", "__init__"),
+    ("  of which cache read + verify", "bpu/cache.py", "get"),
+    ("rules (pass manager)", "fxpass/passmanager.py", "run"),
+    ("partition", "bpu/partition.py", "partition"),
+    ("extract regions", "bpu/region.py", "extract"),
+    ("region key (weight digests)", "bpu/cache.py", "region_key"),
+    ("lower to ONNX", "bpu/lower", "lower"),
+    ("host fusions (onnxscript)", "bpu/host.py", "fuse_for_ort"),
+    ("cache write", "bpu/cache.py", "put"),
+    ("plan store", "bpu/plan.py", "store"),
+    ("splice", "bpu/region.py", "splice"),
+    ("recompile (FX codegen)", "fx/graph_module.py", "recompile"),
+]
+
+
+def profile_table(path: str) -> list[tuple[str, float]]:
+    """(step, cumulative seconds) of the backend's own time, from a cProfile dump."""
+    import pstats
+
+    st = pstats.Stats(path)
+    total = max(v[3] for v in st.stats.values())  # the wrapper's cumulative time
+    rows = [("backend total (compile_graph)", total)]
+    for label, sub, fn in STEPS:
+        cum = sum(v[3] for (f, _, name), v in st.stats.items() if name == fn and sub in f)
+        if cum:
+            rows.append((label, cum))
+    return rows
+
+
+def profile(tokens: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fxpass-profile-") as tmp:
+        spec = {"model": "qwen3", "dtype": "float32", "tokens": tokens, "backend": "fxpass_bpu"}
+        env = {"FXPASS_CACHE_DIR": str(Path(tmp) / "cache")}
+        for state in ("cold", "warm"):
+            prof = str(Path(tmp) / f"{state}.prof")
+            r = child({**spec, "profile": prof}, env)
+            res[state] = {"result": r, "steps": profile_table(prof) if "error" not in r else []}
+            print(f"[profile] {state}: {r}", file=sys.stderr)
+    OUT.mkdir(parents=True, exist_ok=True)
+    lines = ["| step | cold s | warm s |", "|---|---|---|"]
+    cold, warm = dict(res["cold"]["steps"]), dict(res["warm"]["steps"])
+    for label in dict.fromkeys([*cold, *warm]):
+        c, w = cold.get(label), warm.get(label)
+        lines.append(f"| {label} | {c:.3f} |" if c is not None else f"| {label} | |")
+        lines[-1] += f" {w:.3f} |" if w is not None else " |"
+    res["markdown"] = "\n".join(lines)
+    (OUT / "compile_profile.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(res["markdown"])
+    return res
+
+
+def hash_speed(mb: int = 64, repeats: int = 5) -> dict[str, float]:
+    """GB/s of each candidate hash over a ``mb`` MB float32 tensor, through a memoryview."""
+    import hashlib
+    import zlib
+
+    import torch
+
+    t = torch.randn(mb * 1024 * 1024 // 4)
+    mv = memoryview(t.numpy()).cast("B")
+    cands = {
+        "blake2b": lambda: hashlib.blake2b(mv, digest_size=16).digest(),
+        "blake2b over tobytes (old key)": lambda: hashlib.blake2b(t.numpy().tobytes()).digest(),
+        "sha1": lambda: hashlib.sha1(mv).digest(),
+        "sha256": lambda: hashlib.sha256(mv).digest(),
+        "crc32": lambda: zlib.crc32(mv),
+    }
+    try:
+        import xxhash
+
+        cands["xxh3_128"] = lambda: xxhash.xxh3_128(mv).digest()
+        cands["xxh64"] = lambda: xxhash.xxh64(mv).digest()
+    except ImportError:
+        pass
+    out = {}
+    for name, fn in cands.items():
+        ts = []
+        for _ in range(repeats):
+            a = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - a)
+        out[name] = mb / 1024 / statistics.median(ts)
+        print(f"{name:32s} {out[name]:.2f} GB/s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", default="1", help="comma-separated, e.g. 1,128")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated of {list(MODELS)}")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--hash", action="store_true")
+    a = ap.parse_args(argv)
+    if a.hash:
+        hash_speed()
+        return
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if a.profile:
+        profile(tokens[0])
+        return
+    models = [m.strip() for m in a.models.split(",")]
+    cases = [(m, t) for t in tokens for m in models]
+    out = run(cases, a.repeats)
+    print(markdown(out))
+
+
+if __name__ == "__main__":
+    main()
