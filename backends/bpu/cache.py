@@ -49,6 +49,26 @@ def default_dir() -> Path:
 
 
 def tool_versions() -> dict[str, str]:
+    """Versions of every tool that shapes an artifact.
+
+    onnxscript's version comes from its distribution metadata: importing it costs ~1 s, and a
+    warm process that loads its plan never needs the module itself. hbdk4 is looked up per
+    call (it may be installed, or faked in tests, after the first call).
+    """
+    v = dict(_base_versions())
+    try:
+        import hbdk4.compiler as hb  # noqa: F401
+
+        v["hbdk4"] = getattr(__import__("hbdk4"), "__version__", "unknown")
+    except ImportError:
+        pass
+    return v
+
+
+@functools.cache
+def _base_versions() -> tuple[tuple[str, str], ...]:
+    import importlib.metadata
+
     import onnx
     import onnxruntime
 
@@ -61,17 +81,9 @@ def tool_versions() -> dict[str, str]:
         "onnxruntime": onnxruntime.__version__,
         "cache": CACHE_VERSION,
     }
-    with contextlib.suppress(ImportError):  # the host fusions' version shapes the artifact
-        import onnxscript
-
-        v["onnxscript"] = onnxscript.__version__
-    try:
-        import hbdk4.compiler as hb  # noqa: F401
-
-        v["hbdk4"] = getattr(__import__("hbdk4"), "__version__", "unknown")
-    except ImportError:
-        pass
-    return v
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        v["onnxscript"] = importlib.metadata.version("onnxscript")  # shapes the host fusions
+    return tuple(v.items())
 
 
 @functools.cache
