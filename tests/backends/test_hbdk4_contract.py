@@ -7,6 +7,7 @@ MAC op without Q/DQ on its inputs (the real one would place it on the CPU).
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -82,6 +83,27 @@ def test_board_runs_float_until_calibrated_then_hbdk4_gets_the_qdq_model(opts, m
         assert q.summary["q_nodes"] == {"int16": q.summary["q_nodes"]["int16"]}
         assert "cosine" in str(r)
     assert all(p["place"] == "bpu" for p in rec.placement)
+
+
+def test_calibrated_board_artifact_round_trips_through_the_cache(opts, monkeypatch):
+    rec = fake_hbdk4.install(monkeypatch)
+    m = _model()
+    x = _batches(1, seed=4)[0]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not calibrated yet"
+        first = calibrate(_board(m, opts), _batches())
+        torch._dynamo.reset()
+        rec.calls.clear()
+        fn = _board(m, opts)
+        again = calibrate(fn, _batches())
+        assert [c[0] for c in rec.calls if c[0] in ("export", "convert", "compile")] == []
+        assert [i.key for i in again] == [i.key for i in first] and all(i.cached for i in again)
+        torch._dynamo.reset()
+        rec.calls.clear()
+        other = calibrate(_board(m, opts), _batches(seed=1))  # new ranges: new .hbm
+        assert {i.key for i in other}.isdisjoint(i.key for i in first)
+        assert [c[0] for c in rec.calls].count("compile") == len(other)
+        _close(fn(x), m(x))
 
 
 def test_fake_convert_rejects_a_float_mac_op_and_accepts_its_qdq_form(tmp_path, monkeypatch):
