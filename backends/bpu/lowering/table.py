@@ -367,6 +367,9 @@ class Reasons:
             why = _unproduced_use(node, op)
             if why:
                 return why
+        if op.reduces and node.all_input_nodes and _val(node.all_input_nodes[0]).dim() == 0:
+            # aten reduces a 0-dim tensor over dim 0/-1; ONNX Reduce*/Softmax axes need rank>=1
+            return "reduction over a 0-dim tensor (ONNX reduce axes need rank >= 1)"
         if op.reduces and m is not None and node.all_input_nodes:
             x = _val(node.all_input_nodes[0])
             if any(s > m.max_reduce for s in x.shape[-1:]):

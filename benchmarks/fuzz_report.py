@@ -1,0 +1,49 @@
+"""Markdown for the fuzz results (benchmarks/results/fuzz.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"# Fuzz results ({r['date']}{', quick' if r.get('quick') else ''})", "",
+             f"torch {r['torch']}, onnxruntime {r['onnxruntime']}, {r['machine']}.", ""]
+    p = r.get("programs")
+    if p:
+        lines += [
+            "## Hypothesis programs (rules path and backend path)", "",
+            "| graphs | rules mismatches | rules crashes | backend mismatches | backend crashes "
+            "| graphs offloaded | regions | region fallbacks | passed by fp64 referee | time |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {p['tried']} | {p['rules_mismatch']} | {p['rules_crash']} | "
+            f"{p['backend_mismatch']} | {p['backend_crash']} | {p['graphs_with_regions']} | "
+            f"{p['regions']} | {p['fallbacks']} | {p['precision']} | {p['seconds']:.0f} s |",
+            "", "Rewrites by rule: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(p["rewrites"].items(), key=lambda kv: -kv[1])), "",
+        ]
+        if p["fallback_reasons"]:
+            lines += ["Region fallbacks (root cause, count):", ""]
+            lines += [f"- {k} ({v})" for k, v in p["fallback_reasons"].items()] + [""]
+    o = r.get("opinfo")
+    if o:
+        lines += [
+            "## OpInfo sweep (matmul in front, aot_eager control)", "",
+            "| ops | samples | offloaded samples | regions | fxpass mismatches | fxpass crashes "
+            "| PyTorch's (also under aot_eager) | skipped | region fallbacks | time |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {o['ops']} | {o['samples']} | {o['offloaded']} | {o['regions']} | "
+            f"{o['mismatch']} | {o['crash']} | {o['pytorch']} | {o['skipped']} | "
+            f"{o['fallbacks']} | {o['seconds']:.0f} s |", "",
+        ]
+        if o.get("pytorch_ops"):
+            lines += ["PyTorch's own (also under aot_eager): " + ", ".join(
+                f"{k} ({v})" for k, v in sorted(o["pytorch_ops"].items())), ""]
+        if o["fallback_reasons"]:
+            lines += ["Region fallbacks (root cause, count):", ""]
+            lines += [f"- {k} ({v})" for k, v in o["fallback_reasons"].items()] + [""]
+    findings = [f for part in ("programs", "opinfo") for f in (r.get(part) or {}).get(
+        "findings", []) if f["kind"] != "fallback"]
+    lines += ["## Findings", ""]
+    lines += [f"- **{f['kind']}** `{f['case'][:300]}`: {f['message'].strip().splitlines()[-1]}"
+              for f in findings[:40]] or ["none"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,56 @@
+"""Regressions found by ``python -m benchmarks.fuzz`` (issue 9, "Fuzzing at scale").
+
+Each test is the minimal form of a fuzz finding and failed before its fix. They compile with
+``strict=True`` where the finding was a region that fell back to eager: a fallback is correct
+but costs the offload, and strict turns it into the error the fix removes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpass.testing import assert_outputs_close
+
+
+def _compile(fn, strict: bool = True):  # noqa: ANN001, ANN202 - test helper
+    torch._dynamo.reset()
+    return torch.compile(
+        fn, backend="fxpass_bpu", dynamic=False,
+        options={"min_compute_macs": 0, "cache": False, "strict": strict},
+    )
+
+
+def _offloaded() -> int:
+    import fxpass
+
+    return len(fxpass.compile_reports()[-1].regions)
+
+
+@pytest.mark.parametrize(
+    "reduce",
+    [
+        lambda y: torch.all(y, dim=-1),
+        lambda y: torch.any(y > 0, 0),
+        lambda y: y.mean(-1),
+        lambda y: torch.softmax(y, 0),
+        lambda y: torch.all(y.bool(), dim=-1, keepdim=True),
+    ],
+    ids=["all", "any", "mean", "softmax", "all_keepdim"],
+)
+def test_reduction_over_a_0dim_tensor_compiles_and_matches_eager(reduce) -> None:  # noqa: ANN001
+    """OpInfo sweep: ``all``/``any``/``mean`` with a dim on a 0-dim tensor (aten allows dim 0
+    or -1 there) lowered to ONNX Reduce* with axes=[-1] on a rank-0 input, which ONNX shape
+    inference rejects, so the region failed to compile (eager fallback; an error under
+    strict). The capability now keeps those reductions on the CPU; the matmul in front is
+    still offloaded."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = (x.reshape(1, 1) @ torch.eye(1)).reshape(())
+        return reduce(y)
+
+    x = torch.tensor(0.7)
+    with torch.no_grad():
+        got = _compile(f)(x)
+    assert_outputs_close(f(x), got)
+    assert _offloaded() >= 1
