@@ -89,7 +89,9 @@ def _cosine(ref: torch.Tensor, got: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(ref, got, dim=-1).min().item()
 
 
-def run_model(name: str, spec: tuple[str, dict[str, Any]], repeats: int) -> dict[str, Any]:
+def run_model(
+    name: str, spec: tuple[str, dict[str, Any]], repeats: int, configs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     import fxpass
     from fxpass.backends.bpu import calibrate, zoo
 
@@ -106,7 +108,7 @@ def run_model(name: str, spec: tuple[str, dict[str, Any]], repeats: int) -> dict
         refs = [_target(fam, model(**b), b) for b in held]
     runners: dict[str, Callable[[], Any]] = {"eager": lambda: model(**held[0])}
     tmp = tempfile.TemporaryDirectory(prefix="fxpass-qbench-")
-    for cname, q in {"float": None, **CONFIGS}.items():
+    for cname, q in {"float": None, **(CONFIGS if configs is None else configs)}.items():
         row: dict[str, Any] = {}
         try:
             opts = {"cache_dir": tmp.name, "quantize": q}
@@ -247,12 +249,12 @@ def render(results: list[dict[str, Any]], gen: dict[str, Any] | None) -> str:
     for r in results:
         c = r["configs"]
         row = {"model": r["model"]}
-        for k in ("float", *CONFIGS):
+        for k in ("float", *(k for k in CONFIGS if k in c)):
             cos = c.get(k, {}).get("cosine")
             row[f"{k} cosine"] = f"{cos:.6f}" if cos is not None else c.get(k, {}).get("error", "")
         for k in ("eager", "float", "w8a16", "w8a8"):
             row[f"{k} ms"] = harness.fmt_ms((c.get(k, {}).get("latency_ms") or 0) / 1e3 or None)
-        best8 = max((c.get(k, {}).get("cosine") or 0) for k in CONFIGS if k.startswith("w8a8"))
+        best8 = max([c[k].get("cosine") or 0 for k in c if k.startswith("w8a8")] or [0])
         w16 = c.get("w8a16", {}).get("cosine") or 0
         row["bars (w8a16 >= 0.999, w8a8 >= 0.991)"] = (
             f"{'met' if w16 >= BARS['w8a16'] else 'MISSED'} / "
@@ -289,18 +291,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny models, a smoke run")
     p.add_argument("--only", default=None, help="models whose name contains this")
     p.add_argument("--no-generate", action="store_true")
+    p.add_argument("--configs", default=None, help=f"comma list of {sorted(CONFIGS)}")
+    p.add_argument("--tag", default="", help="suffix of the result files (quantize-TAG.json)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
     configure_dynamo()
     torch.manual_seed(0)
     models = QUICK if a.quick else MODELS
+    configs = None
+    if a.configs:
+        unknown = set(a.configs.split(",")) - set(CONFIGS)
+        if unknown:
+            p.error(f"unknown configs {sorted(unknown)}; known: {sorted(CONFIGS)}")
+        configs = {k: CONFIGS[k] for k in a.configs.split(",")}
     results = []
     for name, spec in models.items():
         if a.only and a.only not in name:
             continue
         try:
-            results.append(run_model(name, spec, a.repeats))
+            results.append(run_model(name, spec, a.repeats, configs))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             results.append({"model": name, "configs": {}, "error": f"{type(e).__name__}: {e}"})
@@ -317,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bar": 30,
                 "error": f"{type(e).__name__}: {e}",
             }
-    stem = "quantize-quick" if a.quick else "quantize"
+    stem = ("quantize-quick" if a.quick else "quantize") + (f"-{a.tag}" if a.tag else "")
     data = {"environment": harness.environment(), "models": results, "generate": gen}
     harness.write_json(Path(a.out) / f"{stem}.json", data)
     md = render(results, gen)
