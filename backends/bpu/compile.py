@@ -31,6 +31,7 @@ from fxpass.backends.bpu.cache import ArtifactCache, region_key
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.host import fuse_for_ort
 from fxpass.backends.bpu.lower import lower
+from fxpass.backends.bpu.lowering import lower_weightless, write_weights
 from fxpass.backends.bpu.region import RegionGraph
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
 
@@ -111,11 +112,13 @@ def _compile_ort(
         hit = _cached_ort(cache, key, input_names, threads)
         if hit is not None:
             return hit
-    proto = lower(rg.gm, name=name)
+    # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
+    proto, weights = lower_weightless(rg.gm, name=name)
     fusions: dict[str, int] = {}
     if fuse:
         proto, fusions = fuse_for_ort(proto)
-    data = proto.SerializeToString()
+    data = write_weights(proto, weights).SerializeToString()
+    del proto  # the weights are in ``data`` now: one copy fewer while onnxruntime loads them
     if cache is None:
         ex = OrtExecutor(data, input_names, threads=threads)
         return Compiled(ex, key, False, len(data), fusions)

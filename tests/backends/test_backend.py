@@ -163,6 +163,7 @@ def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
         raise RuntimeError("injected compile failure")
 
     monkeypatch.setattr(comp, "lower", broken)
+    monkeypatch.setattr(comp, "lower_weightless", broken)  # the host path's lowering
     m = SideBranch().eval()
     x = torch.randn(2, 16)
     with torch.no_grad():

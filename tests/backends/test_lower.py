@@ -711,3 +711,18 @@ def test_weight_views_become_one_initializer(dtype: torch.dtype) -> None:
     assert {nd.op_type for nd in model.graph.node} == {"MatMul", "Identity"}
     with torch.no_grad():
         assert_close(run_onnx(model, [x]), f(x))
+
+
+def test_weightless_lowering_fills_in_to_the_same_model() -> None:
+    """``lower_weightless`` + ``write_weights`` (the host compile path, where the fusions then
+    rewrite kilobytes instead of every weight) gives exactly ``lower``'s model."""
+    from fxpass.backends.bpu.lowering import lower_weightless, write_weights
+
+    block = TinyDecoderBlock().eval()
+    x = torch.randn(6, 16)
+    gm = trace_module(block, x)
+    light, weights = lower_weightless(gm, name="b")
+    assert weights and all(not t.raw_data for t in light.graph.initializer if t.name in weights)
+    assert len(light.SerializeToString()) < 0.5 * len(lower(gm, name="b").SerializeToString())
+    full = write_weights(light, weights)
+    assert full.SerializeToString() == lower(gm, name="b").SerializeToString()

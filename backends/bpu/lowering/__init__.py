@@ -12,7 +12,18 @@ Modules, each readable in one sitting:
 """
 
 from fxpass.backends.bpu.lowering.builder import LoweringError
-from fxpass.backends.bpu.lowering.driver import lower
+from fxpass.backends.bpu.lowering.driver import lower, lower_weightless, write_weights
 from fxpass.backends.bpu.lowering.table import FAMILIES, LOWERINGS, OPS, Op, Reasons, can_lower
 
-__all__ = ["FAMILIES", "LOWERINGS", "OPS", "LoweringError", "Op", "Reasons", "can_lower", "lower"]
+__all__ = [
+    "FAMILIES",
+    "LOWERINGS",
+    "OPS",
+    "LoweringError",
+    "Op",
+    "Reasons",
+    "can_lower",
+    "lower",
+    "lower_weightless",
+    "write_weights",
+]

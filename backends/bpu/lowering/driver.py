@@ -94,14 +94,25 @@ def _view_value(n: fx.Node) -> torch.Tensor:
     return n.target(*args, **kwargs)
 
 
-def _write_weights(graph: onnx.GraphProto, weights: dict[str, Weight]) -> None:
-    """Each weight straight into the model's own initializer list, one at a time: a
-    TensorProto built elsewhere would be copied once more on the way in."""
+class Weights(dict[str, Weight]):
+    """The weights of a model lowered with :func:`lower_weightless`: name -> (ONNX dtype,
+    shape, array). :func:`write_weights` puts them in; until then the model's initializers of
+    those names hold dtype and shape only."""
+
+
+def write_weights(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
+    """Fill in the data of ``weights``, each straight into the model's own initializer (a
+    TensorProto built elsewhere would be copied once more on the way in), one at a time, so
+    at most one weight's transient (a transpose or cast) exists beside the model."""
+    slots = {t.name: t for t in model.graph.initializer if t.name in weights}
     for name, (dtype, shape, array) in weights.items():
-        t = graph.initializer.add()
-        t.name, t.data_type = name, dtype
-        t.dims.extend(shape)
+        t = slots.get(name)
+        if t is None:
+            t = model.graph.initializer.add()
+            t.name, t.data_type = name, dtype
+            t.dims.extend(shape)
         t.raw_data = array().tobytes()
+    return model
 
 
 def _is_static(vi: onnx.ValueInfoProto | None) -> bool:
@@ -129,13 +140,24 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
     """Lower a region GraphModule to a checked ONNX model that matches eager PyTorch.
 
     Graph inputs are the placeholders (same names and order), outputs are ``out0..outN-1``,
-    get_attr constants become initializers named after their attribute, and every
-    intermediate carries its static dtype/shape. Nodes not needed by the outputs are ignored.
+    get_attr constants become initializers named after their attribute (a weight view, named
+    after its last node), and every intermediate carries its static dtype/shape. Nodes not
+    needed by the outputs are ignored.
     """
+    model, weights = lower_weightless(gm, name, opset)
+    return write_weights(model, weights)
+
+
+def lower_weightless(
+    gm: fx.GraphModule, name: str = "region", opset: int = 18
+) -> tuple[onnx.ModelProto, Weights]:
+    """:func:`lower`, with the weights' data left out: their initializers carry dtype and
+    shape only, and :func:`write_weights` fills them in later. A caller that rewrites the model
+    first (host fusions) then handles kilobytes instead of every weight, twice."""
     if opset < 18:
         raise LoweringError(f"opset {opset} is too old: emitters use opset-18 forms; use >= 18")
     b, reasons = _Builder(), Reasons()
-    weights: dict[str, Weight] = {}
+    weights = Weights()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     res = out_node.args[0]
     results = list(res) if isinstance(res, tuple | list) else [res]
@@ -199,5 +221,8 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
             "emitter in backends/bpu/lowering/ — the failing node name is the FX node name"
         ) from e
     del model.graph.input[len(inputs) :]
-    _write_weights(model.graph, weights)
-    return model
+    for k, (dtype, shape, _) in weights.items():  # placeholders: dtype and shape, no data
+        t = model.graph.initializer.add()
+        t.name, t.data_type = k, dtype
+        t.dims.extend(shape)
+    return model, weights
