@@ -130,6 +130,7 @@ def run_model(
                             "state": i.state,
                             "quantized": i.summary.get("quantized"),
                             "q_nodes": i.summary.get("q_nodes"),
+                            "host_integer_kernels": i.summary.get("host_integer_kernels"),
                         }
                         for i in infos
                     ]
