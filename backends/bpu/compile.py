@@ -184,23 +184,27 @@ def _compile_quantizing(
     float_ex = OrtExecutor(data, input_names, threads=threads)
     info = QuantInfo(region=name, config=cfg.name, march=march, target=kind)
 
+    # host, int16 activations: no integer CPU kernels, so dequantize the weights once
+    fold = kind == "onnxruntime" and cfg.activations == "int16"
+
     def build(digest: str, make_qdq: Any) -> tuple[Any, bool, dict]:
-        qkey = quantized_key(key, cfg, digest)
+        qkey = quantized_key(key, cfg, digest, "fold-weights" if fold else "")
         info.key = qkey
         if kind == "hbdnn":
             return _quantized_hbm(name, qkey, input_names, march, cache, make_qdq)
-        return _quantized_ort(qkey, input_names, march, cache, threads, make_qdq)
+        return _quantized_ort(qkey, input_names, march, cache, threads, make_qdq, fold)
 
     ex = QuantizingExecutor(info, proto, float_ex, cfg, build)
     return Compiled(ex, key, False, len(data))
 
 
-def quantized_key(float_key: str, cfg: Q.QuantConfig, digest: str) -> str:
+def quantized_key(float_key: str, cfg: Q.QuantConfig, digest: str, variant: str = "") -> str:
     """The quantized artifact's key: the float region's key (graph, weights, march, options,
-    tools) plus the quantization config and the digest of the calibration ranges."""
+    tools) plus the quantization config, the digest of the calibration ranges and the
+    artifact variant (host weight folding)."""
     import hashlib
 
-    text = json.dumps([float_key, cfg.key(), digest], sort_keys=True)
+    text = json.dumps([float_key, cfg.key(), digest, variant], sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=24).hexdigest()
 
 
@@ -220,8 +224,10 @@ def _quantized_ort(
     cache: ArtifactCache | None,
     threads: int | None,
     make_qdq: Any,
+    fold: bool = False,
 ) -> tuple[Any, bool, dict]:
-    """Host session of the QDQ model (onnxruntime fuses it into integer kernels), cached."""
+    """Host session of the QDQ model (onnxruntime fuses it into integer kernels), cached.
+    ``fold``: weights dequantized once (:func:`quantize.fold_weight_dequantize`)."""
     summary = _summary(cache, key)
     if cache is not None and summary is not None:
         data = cache.get(key, ".ort.onnx")
@@ -232,7 +238,7 @@ def _quantized_ort(
                 _warn_unloadable(cache.path(key, ".ort.onnx"), e)
     qdq = make_qdq()
     summary = Q.summarize(qdq, march)
-    data = qdq.SerializeToString()
+    data = (Q.fold_weight_dequantize(qdq) if fold else qdq).SerializeToString()
     with tempfile.TemporaryDirectory() as tmp:
         opt = os.path.join(tmp, "opt.onnx")
         ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)

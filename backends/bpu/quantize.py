@@ -300,6 +300,51 @@ def quantize_model(
     return q
 
 
+def fold_weight_dequantize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Host only: each DequantizeLinear of a constant (int8 weight) becomes its float result.
+
+    Why: onnxruntime has no int16 integer kernels, so a w8a16 region runs float matmuls on
+    dequantized weights anyway, and would dequantize every weight at every call. The folded
+    value is computed as onnxruntime computes it, ``float(int32(x) - zero_point) * scale``,
+    so the numbers do not change; the activations keep their Q/DQ (the board's rounding).
+    The board never gets this model.
+    """
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    keep, folded = [], []
+    for n in g.node:
+        consts = [i for i in n.input if i]
+        if n.op_type != "DequantizeLinear" or not all(i in inits for i in consts):
+            keep.append(n)
+            continue
+        x = numpy_helper.to_array(inits[n.input[0]]).astype(np.int32)
+        scale = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)
+        zp = (
+            numpy_helper.to_array(inits[n.input[2]]).astype(np.int32)
+            if len(n.input) > 2 and n.input[2]
+            else np.zeros_like(scale, np.int32)
+        )
+        if scale.ndim == 1 and x.ndim > 1:  # per-channel along ``axis``
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1) % x.ndim
+            shape = [1] * x.ndim
+            shape[axis] = -1
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        y = ((x - zp).astype(np.float32) * scale).astype(np.float32)
+        folded.append(numpy_helper.from_array(y, n.output[0]))
+    if not folded:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(keep)
+    used = {i for n in keep for i in n.input} | {o.name for o in g.output}
+    del out.graph.initializer[:]
+    out.graph.initializer.extend([i for i in g.initializer if i.name in used] + folded)
+    return out
+
+
 def _producers(g: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {o: n for n in g.node for o in n.output}
 

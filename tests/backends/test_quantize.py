@@ -250,3 +250,38 @@ def test_explain_quantize_shows_qdq_and_what_stayed_float(capsys, tmp_path):
     assert "quantize w8a8, calibrated on the example input" in out
     assert "Q/DQ (int8) on the inputs of Gemm x2" in out or "MatMul x2" in out
     assert "stayed float:" in out and "cosine 0.99" in out
+
+
+def test_host_weight_folding_keeps_the_numbers_of_the_qdq_model():
+    """w8a16 on the host dequantizes weights once; the outputs are the QDQ model's, exactly."""
+    import onnxruntime as ort
+
+    from fxpass import PassManager, capture, select_rules
+    from fxpass.backends.bpu.capability import Capability, march
+    from fxpass.backends.bpu.lower import lower
+    from fxpass.backends.bpu.partition import partition
+    from fxpass.backends.bpu.region import extract
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
+    (gm,) = capture(_mlp(), x)
+    PassManager(select_rules(target="bpu")).run(gm)
+    (region,) = partition(gm, Capability(march("nash-p")), min_compute_macs=0).regions
+    proto = lower(extract(gm, region).gm, name="r")
+    feed = {proto.graph.input[0].name: x.numpy()}
+    cfg = Q.CONFIGS["w8a16"]
+    qdq = Q.quantize_model(proto, Q.calibrate_ranges(proto, [feed], cfg, "nash-p"), cfg, "nash-p")
+    folded = Q.fold_weight_dequantize(qdq)
+    kinds = [n.op_type for n in folded.graph.node]
+    assert (
+        kinds.count("DequantizeLinear")
+        < [n.op_type for n in qdq.graph.node].count("DequantizeLinear")
+        and "QuantizeLinear" in kinds
+    )  # weights folded, activations keep their Q/DQ
+    assert not any(i.data_type == 3 for i in folded.graph.initializer if len(i.dims) > 1)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString()).run(None, feed)[0]
+
+    torch.testing.assert_close(
+        torch.from_numpy(run(folded)), torch.from_numpy(run(qdq)), rtol=0, atol=0
+    )
