@@ -67,6 +67,40 @@ def fuzz_programs(n: int, seed: int, backend: bool = True, progress: int = 100,
     return snapshot()
 
 
+def fuzz_kit(n: int, seed: int, progress: int = 100, checkpoint: Path | None = None) -> dict:
+    """``n`` graphs of the testing kit's rule-targeted vocabulary and traced SDPA."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    from benchmarks.fuzz_kit import kit_cases, run_graph
+    from benchmarks.fuzz_run import Tally
+    from fxpass.rules import ALL
+
+    t = Tally()
+    options = {"min_compute_macs": 0, "cache_dir": tempfile.mkdtemp(prefix="fxpass-kit-")}
+    t0 = time.perf_counter()
+
+    def snapshot() -> dict:
+        out = {k: dict(v) if isinstance(v, dict) else v for k, v in vars(t).items()}
+        return {**out, "seconds": time.perf_counter() - t0, "seed": seed}
+
+    @hseed(seed)
+    @settings(max_examples=n, deadline=None, database=None, derandomize=False,
+              phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
+    @given(kit_cases())
+    def prop(case: Any) -> None:
+        run_graph(case[0], case[1], t, list(ALL), options)
+        if progress and t.tried % progress == 0:
+            if checkpoint is not None:
+                checkpoint.write_text(json.dumps({"kit": snapshot()}, default=str))
+            print(f"  kit {t.tried}/{n} in {time.perf_counter() - t0:.0f}s: "
+                  f"{t.rules_mismatch + t.backend_mismatch} mismatches, "
+                  f"{t.rules_crash + t.backend_crash} crashes", flush=True)
+
+    prop()
+    return snapshot()
+
+
 def _merge(parts: list[dict]) -> dict:
     """Sum counters of shards of one kind (programs or opinfo)."""
     total: dict[str, Any] = {}
@@ -102,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=None, help="OpInfo samples per op")
     ap.add_argument("--first-sample", type=int, default=0,
                     help="skip each op's first samples (a second pass over samples k..n)")
-    ap.add_argument("--part", choices=("programs", "opinfo", "all"), default="all")
+    ap.add_argument("--part", choices=("programs", "kit", "opinfo", "all"), default="all")
+    ap.add_argument("--kit", type=int, default=None, help="how many kit graphs")
     ap.add_argument("--shard", default="0/1", help="k/n: this process's share")
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--merge", action="store_true", help="merge part files into fuzz.json")
@@ -116,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                         *(f for f in parts.glob("*.partial") if f.stem not in done)])
         loaded = [json.loads(f.read_text()) for f in files]
         result = _header(a.quick, [f.name for f in files])
-        for kind in ("programs", "opinfo"):
+        for kind in ("programs", "kit", "opinfo"):
             ps = [p[kind] for p in loaded if kind in p]
             if ps:
                 result[kind] = _merge(ps)
@@ -132,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
         parts.mkdir(parents=True, exist_ok=True)
         ck = parts / f"programs-{k}of{n}.partial"
         result["programs"] = fuzz_programs(n_prog // n, a.seed + k, checkpoint=ck)
+    n_kit = a.kit if a.kit is not None else (100 if a.quick else 2_000)
+    if a.part in ("kit", "all") and n_kit:
+        parts.mkdir(parents=True, exist_ok=True)
+        ck = parts / f"kit-{k}of{n}.partial"
+        result["kit"] = fuzz_kit(n_kit // n, a.seed + 100 + k, checkpoint=ck)
     if a.part in ("opinfo", "all") and samples:
         from benchmarks.fuzz_opinfo import sweep
 

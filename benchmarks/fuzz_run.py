@@ -90,6 +90,8 @@ def judge(expected: Any, got: Any, ref: Any, prog: Program | None, inputs: list,
     """compare(), then the eager self-consistency check for what still differs."""
     msg, explained = compare(expected, got, ref)
     t.precision += explained
+    if explained:
+        t.note("precision", prog, "passed by the fp64 referee only")
     if msg and prog is not None:
         other = batched_eager(prog, inputs, weights)
         inconsistent = other is not None and compare(expected, other)[0] is not None

@@ -213,7 +213,10 @@ def decode(plan: dict, consts: bytes, calls: dict[str, torch.nn.Module]) -> Grap
     """Rebuild the spliced graph from a plan; ``calls`` maps module names to region calls."""
     if plan.get("version") != PLAN_VERSION:
         raise ValueError(f"plan version {plan.get('version')!r}, not {PLAN_VERSION}")
-    tensors = torch.load(io.BytesIO(consts), weights_only=True)
+    # inside a compile, torch.load sees the compile's fake mode (via the tracing context) and
+    # maps every storage to "meta": load outside it, or the constants have no data
+    with torch._guards.tracing(None):
+        tensors = torch.load(io.BytesIO(consts), weights_only=True)
     root = torch.nn.Module()
     for name, mod in calls.items():
         root.add_module(name, mod)

@@ -54,3 +54,26 @@ def test_reduction_over_a_0dim_tensor_compiles_and_matches_eager(reduce) -> None
         got = _compile(f)(x)
     assert_outputs_close(f(x), got)
     assert _offloaded() >= 1
+
+
+def test_plan_hit_returns_real_constants_not_meta_tensors(tmp_path) -> None:  # noqa: ANN001
+    """Fuzz (kit stream): a graph whose output is a folded constant (``full``) came back as a
+    *meta* tensor from the second compile: the cached plan's constants were loaded with
+    ``torch.load`` inside the compile, where ``torch.load`` sees the compile's fake mode
+    (through the tracing context) and maps every storage to ``meta``. A wrong answer with no
+    data behind it, on every warm compile."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((2, 2), -2.5), x @ x + torch.arange(2.0)
+
+    x = torch.randn(2, 2)
+    outs = []
+    for _ in range(2):  # miss (stores the plan), then hit (loads it)
+        torch._dynamo.reset()
+        c = torch.compile(f, backend="fxpass_bpu",
+                          options={"min_compute_macs": 0, "cache_dir": str(tmp_path)})
+        with torch.no_grad():
+            outs.append(c(x))
+    for got in outs:
+        assert all(t.device.type == "cpu" for t in got)
+        assert_outputs_close(f(x), got)
