@@ -32,7 +32,8 @@ it) the same out-of-place form replaces ``index_copy`` and the region returns th
 Does not fire (with the reason in the report): the updated cache is a graph output aliasing a
 graph input (AOTAutograd without kept input mutations: the whole tensor must leave the graph);
 shapes are symbolic; ``pos`` is not a 1-D integer tensor; more than one position on a
-non-float cache.
+non-float cache; a 0-dim cache, or several positions into a 1-D cache (found by the fuzz
+benchmark's OpInfo sweep: these raised inside the rule and failed the compile).
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def kv_cache_update(node: Node, rw) -> bool:
     p, c, v = rw.val(pos), rw.val(cache), rw.val(new)
     if p.dim() != 1 or p.dtype not in (torch.int64, torch.int32):
         return rw.skip("positions are not a 1-D integer tensor")
+    if c.dim() == 0 or v.dim() != c.dim():
+        return rw.skip("a 0-dim cache, or new values of another rank than the cache")
     dim = dim % c.dim()
+    if v.shape[dim] > 1 and c.dim() < 2:
+        return rw.skip("several positions into a 1-D cache (the spread needs a matrix)")
     if v.shape[dim] > 1 and not v.dtype.is_floating_point:
         return rw.skip("several positions into a non-float cache (the spread needs a matmul)")
     write_backs = [

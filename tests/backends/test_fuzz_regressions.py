@@ -77,3 +77,27 @@ def test_plan_hit_returns_real_constants_not_meta_tensors(tmp_path) -> None:  # 
     for got in outs:
         assert all(t.device.type == "cpu" for t in got)
         assert_outputs_close(f(x), got)
+
+
+@pytest.mark.parametrize(
+    ("cache", "pos", "new"),
+    [
+        (torch.tensor(-8.5), torch.tensor([0]), torch.tensor(-1.75)),  # 0-dim cache
+        (torch.randn(5), torch.tensor([3, 1]), torch.randn(2)),  # 1-D cache, two positions
+        (torch.randn(5), torch.tensor([2]), torch.randn(1)),  # 1-D cache, one position
+    ],
+    ids=["0dim", "1d_two_positions", "1d_one_position"],
+)
+def test_kv_cache_rule_on_low_rank_index_copy(cache, pos, new) -> None:  # noqa: ANN001
+    """OpInfo sweep (``index_copy``): the kv_cache_update rule computed ``dim % cache.dim()``
+    (ZeroDivisionError on a 0-dim cache) and spread several positions with
+    ``movedim(dim, -2)`` (IndexError on a 1-D cache). The RuleError failed the whole
+    ``torch.compile``. The rule now leaves those shapes alone, with a reason."""
+
+    def f(c: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = (c.reshape(1, -1) @ torch.eye(max(c.numel(), 1))).reshape(c.shape)
+        return torch.index_copy(c, 0, p, v)
+
+    with torch.no_grad():
+        got = _compile(f, strict=False)(cache, pos, new)
+    assert_outputs_close(f(cache, pos, new), got)
