@@ -281,15 +281,13 @@ class Reasons:
 
     def weight_view(self, n: fx.Node) -> bool:
         """Whether ``n`` is a chain of ``WEIGHT_VIEWS`` ops over one constant (see there)."""
+        if n.target not in WEIGHT_VIEWS or n.op != "call_function":
+            return False  # the common case, decided without building input lists
         if n in self._views:
             return self._views[n]
         ins = n.all_input_nodes
-        ok = self._views[n] = (
-            n.op == "call_function"
-            and n.target in WEIGHT_VIEWS
-            and len(ins) == 1
-            and (is_constant(ins[0]) or self.weight_view(ins[0]))
-        )
+        ok = len(ins) == 1 and (is_constant(ins[0]) or self.weight_view(ins[0]))
+        self._views[n] = ok
         return ok
 
     def _view_reason(self, node: fx.Node) -> str | None:
