@@ -46,6 +46,10 @@ class OrtExecutor:
             if optimized_path:
                 so.optimized_model_filepath = optimized_path
         self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        # onnxruntime's Python session keeps the model bytes (weights included) for its whole
+        # life, only to rebuild itself on a provider fallback (its own TODO); with the CPU
+        # provider alone that never happens. Dropping them saves a copy of the weights.
+        self.session._model_bytes = None
         self.input_names = input_names
         self.output_names = [o.name for o in self.session.get_outputs()]
 
