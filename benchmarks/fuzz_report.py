@@ -8,18 +8,24 @@ from typing import Any
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"# Fuzz results ({r['date']}{', quick' if r.get('quick') else ''})", "",
              f"torch {r['torch']}, onnxruntime {r['onnxruntime']}, {r['machine']}.", ""]
-    p = r.get("programs")
-    if p:
+    for part, title in (("programs", "Hypothesis programs"),
+                        ("kit", "Rule-targeted graphs (testing kit vocabulary, traced SDPA)")):
+        p = r.get(part)
+        if not p:
+            continue
         lines += [
-            "## Hypothesis programs (rules path and backend path)", "",
+            f"## {title}: all rules and fxpass_bpu vs eager", "",
             "| graphs | rules mismatches | rules crashes | backend mismatches | backend crashes "
-            "| graphs offloaded | regions | region fallbacks | passed by fp64 referee | time |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| graphs offloaded | regions | region fallbacks | fp64 referee | eager inconsistent "
+            "| time |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             f"| {p['tried']} | {p['rules_mismatch']} | {p['rules_crash']} | "
             f"{p['backend_mismatch']} | {p['backend_crash']} | {p['graphs_with_regions']} | "
-            f"{p['regions']} | {p['fallbacks']} | {p['precision']} | {p['seconds']:.0f} s |",
-            "", "Rewrites by rule: " + ", ".join(
-                f"{k} {v}" for k, v in sorted(p["rewrites"].items(), key=lambda kv: -kv[1])), "",
+            f"{p['regions']} | {p['fallbacks']} | {p['precision']} | "
+            f"{p.get('eager_inconsistent', 0)} | {p['seconds']:.0f} s |",
+            "", "Rewrites by rule: " + (", ".join(
+                f"{k} {v}" for k, v in sorted(p["rewrites"].items(), key=lambda kv: -kv[1]))
+                or "none"), "",
         ]
         if p["fallback_reasons"]:
             lines += ["Region fallbacks (root cause, count):", ""]
@@ -35,15 +41,25 @@ def markdown(r: dict[str, Any]) -> str:
             f"{o['mismatch']} | {o['crash']} | {o['pytorch']} | {o['skipped']} | "
             f"{o['fallbacks']} | {o['seconds']:.0f} s |", "",
         ]
+        if o.get("ops_total"):
+            lines += [f"Ops reached: {o.get('ops_done')} of {o['ops_total']} "
+                      "(the run was cut off at the deadline; see docs/benchmarks.md).", ""]
         if o.get("pytorch_ops"):
             lines += ["PyTorch's own (also under aot_eager): " + ", ".join(
                 f"{k} ({v})" for k, v in sorted(o["pytorch_ops"].items())), ""]
         if o["fallback_reasons"]:
             lines += ["Region fallbacks (root cause, count):", ""]
             lines += [f"- {k} ({v})" for k, v in o["fallback_reasons"].items()] + [""]
-    findings = [f for part in ("programs", "opinfo") for f in (r.get(part) or {}).get(
-        "findings", []) if f["kind"] != "fallback"]
+    findings = [f for part in ("programs", "kit", "opinfo") for f in (r.get(part) or {}).get(
+        "findings", []) if f["kind"] not in ("fallback", "precision")]
     lines += ["## Findings", ""]
-    lines += [f"- **{f['kind']}** `{f['case'][:300]}`: {f['message'].strip().splitlines()[-1]}"
+    lines += [f"- **{f['kind']}** `{f['case'][:300]}`: {_cause(f['message'])}"
               for f in findings[:40]] or ["none"]
     return "\n".join(lines) + "\n"
+
+
+def _cause(message: str) -> str:
+    """The line of a traceback that names the error (not Dynamo's trailing advice)."""
+    lines = [x.strip() for x in message.strip().splitlines() if x.strip()]
+    errs = [x for x in lines if "Error" in x.split(":")[0] or "Error:" in x]
+    return (errs[-1] if errs else lines[-1] if lines else "")[:300]

@@ -156,7 +156,8 @@ def rules_path(prog: Program, inputs: list, weights: list, expected: Any, ref: A
 
 
 def backend_path(fn: torch.nn.Module, inputs: list, expected: Any, ref: Any, case: Any,
-                 t: Tally, options: dict, weights: list | None = None) -> None:
+                 t: Tally, options: dict, weights: list | None = None,
+                 control: Any = None) -> None:
     """The default (non-strict) compile is what is compared with eager; a region that fell
     back to eager is compiled again with ``strict=True`` to keep its cause as a finding."""
     import fxpass
@@ -185,6 +186,10 @@ def backend_path(fn: torch.nn.Module, inputs: list, expected: Any, ref: Any, cas
             t.note("fallback", case, traceback.format_exc()[-1500:])
     prog = case if isinstance(case, Program) else None
     msg = judge(expected, got, ref, prog, inputs, weights or [], t)
+    if msg and control is not None and judge(control, got, None, None, inputs, [], Tally()) is None:
+        t.eager_inconsistent += 1  # equals PyTorch's other kernel for the op (see fuzz_kit)
+        t.note("sdpa_kernels_disagree", case, msg)
+        msg = None
     if msg:
         t.backend_mismatch += 1
         t.note("backend_mismatch", case, msg)
