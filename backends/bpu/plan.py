@@ -43,7 +43,10 @@ from fxpass.backends.bpu.digest import hasher, rule_identity, source_digest, ten
 from fxpass.graph import FROZEN
 
 PLAN_VERSION = "1"
-MAX_CONSTANT_BYTES = 64 * 1024**2
+#: The CPU remainder's constants a plan may hold. Under BF16 promotion the remainder holds an
+#: f32 copy of the embedding table (125 MiB for a 32000 x 1024 vocabulary), which a 64 MiB
+#: bound refused; reading it back is far cheaper than re-running the rules.
+MAX_CONSTANT_BYTES = 512 * 1024**2
 _NOT_KEYED_OPTIONS = ("cache_dir",)
 
 
