@@ -94,7 +94,8 @@ def judge(expected: Any, got: Any, ref: Any, prog: Program | None, inputs: list,
         msg, explained = f"cannot compare with eager: {type(e).__name__}: {e}", False
     t.precision += explained
     if explained:
-        t.note("precision", prog, "passed by the fp64 referee only")
+        strict = compare(expected, got)[0] or ""
+        t.note("precision", prog, f"passed by the fp64 referee only; strictly: {strict}")
     if msg and prog is not None:
         other = batched_eager(prog, inputs, weights)
         inconsistent = other is not None and compare(expected, other)[0] is not None

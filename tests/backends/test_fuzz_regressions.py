@@ -101,3 +101,21 @@ def test_kv_cache_rule_on_low_rank_index_copy(cache, pos, new) -> None:  # noqa:
     with torch.no_grad():
         got = _compile(f, strict=False)(cache, pos, new)
     assert_outputs_close(f(cache, pos, new), got)
+
+
+def test_plan_hit_index_constants_have_data(tmp_path) -> None:  # noqa: ANN001
+    """OpInfo sweep (``nn.functional.upsample_nearest``): the same plan-cache bug, silently:
+    the folded gather indices came back as a meta tensor and ``_unsafe_index`` on the warm
+    compile returned garbage (errors of 1e36, NaN) with no error at all."""
+    x = torch.randn(2, 3, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = (x.reshape(-1, 4) @ torch.eye(4)).reshape(x.shape)
+        return torch.nn.functional.interpolate(y, size=3, mode="nearest")
+
+    for _ in range(2):  # miss, then hit
+        torch._dynamo.reset()
+        c = torch.compile(f, backend="fxpass_bpu",
+                          options={"min_compute_macs": 0, "cache_dir": str(tmp_path)})
+        with torch.no_grad():
+            assert_outputs_close(f(x), c(x))
