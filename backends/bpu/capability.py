@@ -9,9 +9,11 @@ lowered and which arguments it admits live in one table,
 :class:`fxpass.backends.bpu.lowering.Reasons`, which the lowering asks too. A node the
 capability accepts is therefore one the lowering can emit.
 
-Float tensors: the tensor engine computes in int8/int16; hbdk4's ``convert`` inserts Q/DQ for
-float models (the pull request's qdq step), so float32/float16 are accepted here and
-quantization accuracy is the compile step's concern.
+Float tensors: the tensor engine computes in int8/int16, and a float conv/matmul handed to
+``convert`` is placed on the board's CPU (FACTS.md). Float32/float16 are accepted here because
+the compile step quantizes: on the board path a region reaches hbdk4 only as a calibrated Q/DQ
+model (:mod:`fxpass.backends.bpu.quantize`, which holds which ops need integer inputs per
+march); on the host, quantization is opt-in.
 """
 
 from __future__ import annotations
