@@ -26,6 +26,7 @@ from fxpass.backends.bpu.lowering import emitters as e
 from fxpass.backends.bpu.lowering import nn
 from fxpass.backends.bpu.lowering.builder import Emitter, _target_name, _val
 from fxpass.graph import FROZEN
+from fxpass.rules.constant_folding import WEIGHT_VIEWS as FOLDING_VIEWS
 
 if TYPE_CHECKING:
     from fxpass.backends.bpu.capability import March
@@ -235,26 +236,13 @@ OPS: dict[Any, Op] = {
 #: *weight view*: the lowering computes it once from the real weight and writes the result as
 #: one initializer (a transposed and/or float32 copy of a bf16 weight), so no rule has to
 #: materialize it in the graph first, and no emitter runs for it. Its family does not matter:
-#: nothing of it runs on the device. A superset of what ``constant_folding`` leaves unfolded.
-WEIGHT_VIEWS = frozenset(
-    {
-        aten.t.default,
-        aten.transpose.int,
-        aten.permute.default,
-        aten.view.default,
-        aten.reshape.default,
-        aten._unsafe_view.default,
-        aten.unsqueeze.default,
-        aten.squeeze.dim,
-        aten.squeeze.dims,
-        aten.squeeze.default,
-        aten.clone.default,
-        aten.contiguous.default,
-        aten.alias.default,
-        aten._to_copy.default,
-        prims.convert_element_type.default,
-    }
-)
+#: nothing of it runs on the device. A superset, by construction, of what ``constant_folding``
+#: leaves unfolded (its ``WEIGHT_VIEWS``).
+WEIGHT_VIEWS = FOLDING_VIEWS | {
+    aten.squeeze.default,
+    aten.contiguous.default,
+    aten.alias.default,
+}
 
 #: aten overload -> emitter (a view of ``OPS`` for callers that only need the emitter)
 LOWERINGS: dict[Any, Emitter] = {t: op.emit for t, op in OPS.items()}
