@@ -42,6 +42,7 @@ gives the reason for any node.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ import torch
 from torch.fx import Node
 
 from .graph import is_pure, writes
-from .rule import Rule, _describe
+from .rule import Rule, _describe, rule
 
 __all__ = ["ANY", "Match", "Num", "P", "Var", "pattern_rule"]
 
@@ -361,17 +362,16 @@ def pattern_rule(
             rw.replace(node, out)
             return True
 
-        return Rule(
+        made = rule(
+            *pattern.targets,
             name=name or fn.__name__,
-            fn=apply,
-            roots=pattern.targets,
             priority=priority,
             description=_describe(fn, description),
             default=default,
-            tags=frozenset(tags),
-            targets=frozenset(targets),
+            tags=tags,
+            targets=targets,
             applies=applies,
-            pattern=pattern,
-        )
+        )(apply)
+        return dataclasses.replace(made, pattern=pattern)
 
     return wrap
