@@ -25,7 +25,15 @@ never goes through this module.
 
 from __future__ import annotations
 
+import threading
+
 import onnx
+
+# onnxscript's fusion rules are module-level objects whose matchers keep the current match on
+# the instance, so two threads fusing at once corrupt each other's bindings ("check() missing
+# 1 required positional argument"). Regions compile in a thread pool; the passes take
+# milliseconds on a weightless model, so they run one at a time.
+_FUSING = threading.Lock()
 
 
 def _passes() -> list[tuple[str, object]]:
@@ -56,7 +64,8 @@ def fuse_for_ort(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int
     import onnx_ir.passes.common as common
 
     model = ir.from_proto(proto)
-    counts = {name: fuse(model) for name, fuse in _passes()}
+    with _FUSING:
+        counts = {name: fuse(model) for name, fuse in _passes()}
     if any(counts.values()):
         # what optimize_for_ort's final cleanup does: inline helper functions a fusion left,
         # drop the nodes and constants it replaced (else onnxruntime warns per initializer)

@@ -726,3 +726,44 @@ def test_weightless_lowering_fills_in_to_the_same_model() -> None:
     assert len(light.SerializeToString()) < 0.5 * len(lower(gm, name="b").SerializeToString())
     full = write_weights(light, weights)
     assert full.SerializeToString() == lower(gm, name="b").SerializeToString()
+
+
+def test_host_fusions_are_safe_from_parallel_region_compiles() -> None:
+    """Regions compile in a thread pool, and onnxscript's fusion rules keep their current match
+    on shared module-level objects: unserialized, two threads corrupted each other's bindings
+    ("SkipRmsNormFusion.check() missing 1 required positional argument") and the region fell
+    back to eager (seen as a flaky ViT bf16 test)."""
+    import threading
+
+    from fxpass.backends.bpu.host import fuse_for_ort
+    from fxpass.backends.bpu.lowering import lower_weightless
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x + b)
+
+    protos = [
+        lower_weightless(trace(rms, torch.randn(2, 8, 64), torch.randn(64)), name="rms")[0],
+        lower_weightless(trace(gelu, torch.randn(2, 8, 64), torch.randn(64)), name="gelu")[0],
+    ]
+    serial = [fuse_for_ort(p)[1] for p in protos]
+    assert serial[0] == {"rms_normalization": 1}, serial
+    errors: list[str] = []
+    counts: list[tuple[int, dict]] = []
+
+    def work(i: int) -> None:
+        for _ in range(25):
+            try:
+                counts.append((i, fuse_for_ort(protos[i])[1]))
+            except Exception as e:  # noqa: BLE001 - the failure under test
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i % 2,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(c == serial[i] for i, c in counts)
