@@ -48,7 +48,10 @@ def _passes() -> list[tuple[str, object]]:
         fuse_skip_rms_normalization,
     )
 
+    from fxpass.backends.bpu.attention import fuse_attention
+
     return [
+        ("attention", fuse_attention),
         ("erf_gelu", fuse_erfgelu),
         ("rms_normalization", fuse_rms_normalization),
         ("skip_layer_normalization", fuse_skip_layer_normalization),

@@ -79,6 +79,8 @@ def test_host_fusions_fire_and_keep_eager_tokens(opts):
         # 2 layers: input norm, q/k norms, post-attention norm, final norm; residuals fold in
         assert fused.get("rms_normalization", 0) >= 5, fused
         assert fused.get("skip_rms_normalization", 0) >= 2, fused
+        # every layer's attention (GQA over the static cache) is one Attention node
+        assert fused.get("attention") == model.config.num_hidden_layers, fused
         assert "host fusions: " in str(r)
 
 

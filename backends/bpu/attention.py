@@ -1,0 +1,302 @@
+"""Host fusion: the lowering's decomposed attention -> ONNX's standard ``Attention`` (opset 23).
+
+The ``sdpa_decomposition`` rule turns attention into standard ops because hbdk4 wants them:
+matmul, scale, mask, the safe softmax (0 on fully masked rows), matmul, and for grouped-query
+attention an expand that repeats every KV head. On the host that is about 26 ONNX nodes per
+layer, and the expand copies the whole KV cache once per query head group every step.
+onnxruntime has a CPU kernel for opset 23's ``Attention``, which does grouped-query attention
+natively, applies a boolean or additive mask, and gives 0 on fully masked rows. One node per
+layer: on the Qwen3 4 x 512 decode region, 269 -> 169 nodes and see ``docs/benchmarks.md`` for
+the time. onnxscript's own attention fusions look for a different form (they expect the
+rotary embedding and the KV-cache concat inside the pattern), so this one is ours.
+
+The match is structural and checked, never assumed: it starts at each ``Softmax`` and accepts
+only the form the rule emits, with every shape read from the lowering's static value_info.
+
+- ``Softmax(axis=-1)`` over scores ``[B, H, L, S]``, followed by the safe-softmax tail
+  ``Where(all(scores == -inf, -1), 0, p)``; without the tail there is no fusion, because plain
+  softmax gives NaN on a fully masked row and ``Attention`` gives 0;
+- scores = ``Mul(MatMul(q, Transpose(k, [0, 1, 3, 2])), scale)`` plus at most one mask step,
+  ``Add(., mask)`` or ``Where(cond, -inf, .)`` (a boolean ``masked_fill``, turned into
+  ``Not(cond)``); the batched matmuls may be wrapped in the reshapes that flatten ``B * H``;
+- k and v are the 4-D ``[B, Hk, S, D]`` values or their GQA repeat (unsqueeze, expand to
+  ``H // Hk`` copies, reshape), float32 throughout;
+- every intermediate is used only inside the match (else its value would be lost).
+
+The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.fuse_for_ort`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+OPSET = 23  # the first opset with Attention
+
+
+def fuse_attention(model: ir.Model) -> int:
+    """Replace each matched decomposed attention in ``model`` by one ``Attention`` node."""
+    graph = model.graph
+    count = 0
+    for softmax in [n for n in graph if n.op_type == "Softmax" and n.domain == ""]:
+        m = _Match.at(softmax)
+        if m is None:
+            continue
+        m.rewrite(graph)
+        count += 1
+    if count:
+        model.opset_imports[""] = max(model.opset_imports.get("", OPSET), OPSET)
+        graph.opset_imports[""] = model.opset_imports[""]
+    return count
+
+
+def _shape(v: ir.Value | None) -> tuple[int, ...] | None:
+    if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
+        return None
+    return tuple(v.shape)
+
+
+def _const(v: ir.Value | None) -> np.ndarray | None:
+    if v is None:
+        return None
+    t = v.const_value
+    if t is None and v.producer() is not None and v.producer().op_type == "Constant":
+        attr = v.producer().attributes.get("value")
+        t = attr.value if attr is not None else None
+    return None if t is None else t.numpy()
+
+
+def _op(v: ir.Value | None, *types: str) -> ir.Node | None:
+    """The producer of ``v`` if it is a default-domain node of one of ``types``."""
+    p = v.producer() if v is not None else None
+    return p if p is not None and p.domain == "" and p.op_type in types else None
+
+
+def _int_attr(node: ir.Node, name: str, default: int) -> int:
+    a = node.attributes.get(name)
+    return default if a is None else int(a.value)
+
+
+class _Match:
+    def __init__(self) -> None:
+        self.nodes: list[ir.Node] = []
+
+    def take(self, node: ir.Node | None) -> ir.Node | None:
+        if node is not None:
+            self.nodes.append(node)
+        return node
+
+    @classmethod
+    def at(cls, softmax: ir.Node) -> _Match | None:
+        m = cls()
+        return m if m._match(softmax) and m._self_contained() else None
+
+    def _match(self, softmax: ir.Node) -> bool:
+        scores = softmax.inputs[0]
+        shape = _shape(scores)
+        if shape is None or len(shape) != 4 or scores.dtype != ir.DataType.FLOAT:
+            return False
+        if _int_attr(softmax, "axis", -1) not in (-1, 3):
+            return False
+        self.take(softmax)
+        b, h, q_len, s_len = shape
+        p = self._safe_tail(softmax.outputs[0], scores)
+        if p is None:
+            return False
+        pv = self._bmm_from(p, (b, h, q_len, s_len))
+        if pv is None:
+            return False
+        self.out, v_rep = pv
+        self.v = self._kv(v_rep, b, h, s_len)
+        if self.v is None:
+            return False
+        if not self._scores(scores, b, h, q_len, s_len):
+            return False
+        return _shape(self.q)[-1] == _shape(self.k)[-1] and h % _shape(self.k)[1] == 0
+
+    def _safe_tail(self, p: ir.Value, scores: ir.Value) -> ir.Value | None:
+        """``Where(all(scores == -inf, -1, keepdim), 0, p)``: the rows with no key left."""
+        users = p.consumers()
+        if len(users) != 1 or users[0].op_type != "Where" or users[0].inputs[2] is not p:
+            return None
+        where = users[0]
+        cond, zeros = where.inputs[0], where.inputs[1]
+        cast = _op(cond, "Cast")
+        red = _op(cast.inputs[0], "ReduceMin") if cast else None
+        cast0 = _op(red.inputs[0], "Cast") if red else None
+        eq = _op(cast0.inputs[0], "Equal") if cast0 else None
+        if eq is None or _int_attr(cast, "to", 0) != ir.DataType.BOOL.value:
+            return None
+        if eq.inputs[0] is not scores or not _is(_const(eq.inputs[1]), -math.inf):
+            return None
+        axes = _const(red.inputs[1]) if len(red.inputs) > 1 else None
+        if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) not in (-1, 3):
+            return None
+        if _int_attr(red, "keepdims", 1) != 1:
+            return None
+        expand = _op(zeros, "Expand")
+        if not _is(_const(expand.inputs[0] if expand else zeros), 0.0):
+            return None
+        if _shape(where.outputs[0]) != _shape(scores):
+            return None
+        for n in (eq, cast0, red, cast, expand, where):
+            self.take(n)
+        return where.outputs[0]
+
+    def _bmm_from(self, a: ir.Value, shape: tuple[int, ...]) -> tuple[ir.Value, ir.Value] | None:
+        """``a @ other`` through optional ``[B*H, ...]`` reshapes: (the 4-D result, other)."""
+        b, h = shape[0], shape[1]
+        users = a.consumers()
+        if len(users) != 1:
+            return None
+        node = users[0]
+        flat = None
+        if node.op_type == "Reshape":
+            if _shape(node.outputs[0]) != (b * h, *shape[2:]):
+                return None
+            flat = self.take(node)
+            users = node.outputs[0].consumers()
+            if len(users) != 1:
+                return None
+            node = users[0]
+        if node.op_type != "MatMul" or node.inputs[0] is not (flat.outputs[0] if flat else a):
+            return None
+        self.take(node)
+        other, out = node.inputs[1], node.outputs[0]
+        if flat is not None:
+            unflat = _op(other, "Reshape")
+            if unflat is None or len(_shape(unflat.inputs[0]) or ()) != 4:
+                return None
+            self.take(unflat)
+            other = unflat.inputs[0]
+            users = out.consumers()
+            if len(users) != 1 or users[0].op_type != "Reshape":
+                return None
+            out = self.take(users[0]).outputs[0]
+            if _shape(out) != (b, h, shape[2], (_shape(other) or (0,))[-1]):
+                return None
+        return out, other
+
+    def _kv(self, rep: ir.Value, b: int, h: int, s_len: int) -> ir.Value | None:
+        """The ``[B, Hk, S, D]`` tensor behind ``rep``: itself, or what its GQA repeat repeats."""
+        shape = _shape(rep)
+        if shape is None or shape[:3] != (b, h, s_len) or rep.dtype != ir.DataType.FLOAT:
+            return None
+        merge = _op(rep, "Reshape")
+        expand = _op(merge.inputs[0], "Expand") if merge else None
+        unsq = _op(expand.inputs[0], "Reshape", "Unsqueeze") if expand else None
+        if unsq is None:
+            return rep
+        src = unsq.inputs[0]
+        hk = (_shape(src) or (0, 0))[1]
+        d = shape[3]
+        if _shape(src) != (b, hk, s_len, d) or hk == 0 or h % hk:
+            return rep
+        if _shape(unsq.outputs[0]) != (b, hk, 1, s_len, d):
+            return rep
+        if _shape(expand.outputs[0]) != (b, hk, h // hk, s_len, d):
+            return rep
+        for n in (unsq, expand, merge):
+            self.take(n)
+        return src
+
+    def _scores(self, scores: ir.Value, b: int, h: int, q_len: int, s_len: int) -> bool:
+        """scores = q @ k^T * scale, then at most one mask step."""
+        self.mask, self.negate = None, False
+        x = scores
+        add = _op(x, "Add")
+        fill = _op(x, "Where")
+        if add is not None:
+            scaled, mask = add.inputs
+            if _op(mask, "Mul") and not _op(scaled, "Mul"):
+                scaled, mask = mask, scaled
+            if _shape(mask) is None or len(mask.shape) > 4 or mask.dtype != ir.DataType.FLOAT:
+                return False
+            self.mask, x = mask, scaled
+            self.take(add)
+        elif fill is not None:
+            cond, minus_inf, x = fill.inputs
+            if not _is(_const(minus_inf), -math.inf) or len(_shape(cond) or (0,) * 5) > 4:
+                return False
+            self.mask, self.negate = cond, True
+            self.take(fill)
+        mul = _op(x, "Mul")
+        if mul is None:
+            return False
+        qk, scale = mul.inputs
+        s = _const(scale)
+        if s is None:
+            qk, scale = scale, qk
+            s = _const(scale)
+        if s is None or s.size != 1:
+            return False
+        self.scale = float(s.reshape(-1)[0])
+        self.take(mul)
+        # qk: [B, H, L, S] = q @ k^T, maybe through [B*H, ...] reshapes
+        node = _op(qk, "Reshape")
+        if node is not None and _shape(node.inputs[0]) == (b * h, q_len, s_len):
+            self.take(node)
+            mm = _op(node.inputs[0], "MatMul")
+            q_flat = _op(mm.inputs[0], "Reshape") if mm else None
+            kt_flat = _op(mm.inputs[1], "Reshape") if mm else None
+            if q_flat is None or kt_flat is None:
+                return False
+            q, kt = q_flat.inputs[0], kt_flat.inputs[0]
+            for n in (mm, q_flat, kt_flat):
+                self.take(n)
+        else:
+            mm = _op(qk, "MatMul")
+            if mm is None:
+                return False
+            q, kt = mm.inputs
+            self.take(mm)
+        tr = _op(kt, "Transpose")
+        if tr is None or list(tr.attributes["perm"].value) != [0, 1, 3, 2]:
+            return False
+        self.take(tr)
+        if _shape(q) is None or _shape(q)[:3] != (b, h, q_len) or q.dtype != ir.DataType.FLOAT:
+            return False
+        self.q = q
+        self.k = self._kv(tr.inputs[0], b, h, s_len)
+        return self.k is not None
+
+    def _self_contained(self) -> bool:
+        """Every matched value other than the output is used only inside the match."""
+        inside = set(map(id, self.nodes))
+        for n in self.nodes:
+            for v in n.outputs:
+                if v is self.out:
+                    continue
+                if v.is_graph_output() or any(id(u) not in inside for u in v.consumers()):
+                    return False
+        return True
+
+    def rewrite(self, graph: ir.Graph) -> None:
+        anchor = self.out.producer()
+        new: list[ir.Node] = []
+        mask = self.mask
+        if mask is not None and len(mask.shape) < 4:  # a causal [L, S] constant, say
+            shape = ir.Value(name=f"{self.out.name}/mask_shape")
+            shape.const_value = ir.tensor(np.array([1] * (4 - len(mask.shape)) + list(mask.shape)))
+            graph.register_initializer(shape)
+            new.append(ir.Node("", "Reshape", [mask, shape]))
+            mask = new[-1].outputs[0]
+        if mask is not None and self.negate:
+            new.append(ir.Node("", "Not", [mask]))
+            mask = new[-1].outputs[0]
+        inputs = [self.q, self.k, self.v] + ([mask] if mask is not None else [])
+        attn = ir.Node("", "Attention", inputs, [ir.AttrFloat32("scale", self.scale)])
+        new.append(attn)
+        out = attn.outputs[0]
+        out.shape, out.type = self.out.shape, self.out.type
+        name = self.out.name
+        graph.insert_before(anchor, new)
+        self.out.replace_all_uses_with(out, replace_graph_outputs=True)
+        graph.remove(self.nodes, safe=True)
+        out.name = name  # a region output keeps its name
+
+
+def _is(a: np.ndarray | None, value: float) -> bool:
+    return a is not None and a.size >= 1 and bool(np.all(a == value))
