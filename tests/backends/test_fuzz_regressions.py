@@ -119,3 +119,37 @@ def test_plan_hit_index_constants_have_data(tmp_path) -> None:  # noqa: ANN001
                           options={"min_compute_macs": 0, "cache_dir": str(tmp_path)})
         with torch.no_grad():
             assert_outputs_close(f(x), c(x))
+
+
+def test_cat_skips_legacy_empty_inputs_and_stays_offloaded():
+    """OpInfo ``cat``: a legacy empty 1-D tensor beside 2-D ones is skipped by torch.cat; the
+    lowering passed it to ONNX Concat (ranks must match), the model was invalid, and the region
+    fell back to eager."""
+    w = torch.eye(3)
+
+    def fn(x, e):
+        return torch.cat([x @ w, e, x], dim=1)
+
+    x, e = torch.randn(2, 3), torch.randn(0)
+    got = _compile(fn)(x, e)
+    assert_outputs_close(got, fn(x, e))
+    assert _offloaded() == 1
+
+
+@pytest.mark.parametrize("op", [
+    lambda y: torch.transpose(y, 0, 0),
+    lambda y: torch.transpose(y, 0, -1),
+    lambda y: y.t(),
+])
+def test_transpose_of_a_0dim_tensor_is_the_identity(op):
+    """OpInfo ``transpose`` sample 4 (a 0-dim tensor, dims (0, 0)) behind its matmul: the
+    lowering computed ``dim % 0`` and raised ZeroDivisionError, so the region fell back."""
+
+    def fn(x):
+        return op((x.reshape(-1, 1) @ torch.eye(1)).reshape(x.shape))
+
+    x = torch.randn(())
+    got = _compile(fn)(x)
+    assert_outputs_close(got, fn(x))
+    assert got.shape == ()
+    assert _offloaded() == 1

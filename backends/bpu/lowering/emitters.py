@@ -145,6 +145,8 @@ def _linear(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
 def _transpose(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     x = a["self"]
     rank = len(_shape(x))
+    if rank < 2:  # transpose(0-dim, 0, -1) and t(1-D) are the identity (and % 0 would raise)
+        return b.t(x)
     perm = list(range(rank))
     if n.target == aten.permute.default:
         perm = [d % rank for d in a["dims"]]
@@ -199,9 +201,12 @@ def _select(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
 
 
 def _cat(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
-    dt = _dtype(n)
-    axis = a["dim"] % len(_shape(n))
-    return b.op("Concat", *(b.t(x, dt) for x in a["tensors"]), axis=axis)
+    dt, rank = _dtype(n), len(_shape(n))
+    axis = a["dim"] % rank
+    # torch.cat still accepts legacy empty 1-D tensors of shape (0,) beside tensors of any
+    # rank and skips them; ONNX's Concat needs equal ranks, so they are dropped here too
+    parts = [x for x in a["tensors"] if rank == 1 or _shape(x) != [0]]
+    return b.op("Concat", *(b.t(x, dt) for x in parts), axis=axis)
 
 
 def _split(b: _Builder, n: fx.Node, a: dict[str, Any]) -> list[str]:
