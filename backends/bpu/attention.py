@@ -6,9 +6,10 @@ attention an expand that repeats every KV head. On the host that is about 26 ONN
 layer, and the expand copies the whole KV cache once per query head group every step.
 onnxruntime has a CPU kernel for opset 23's ``Attention``, which does grouped-query attention
 natively, applies a boolean or additive mask, and gives 0 on fully masked rows. One node per
-layer: on the Qwen3 4 x 512 decode region, 269 -> 169 nodes and see ``docs/benchmarks.md`` for
-the time. onnxscript's own attention fusions look for a different form (they expect the
-rotary embedding and the KV-cache concat inside the pattern), so this one is ours.
+layer plus its guard: on the Qwen3 4 x 512 decode region, 305 -> 229 ONNX nodes (see
+``docs/generation.md`` for the time). onnxscript's own attention fusions look for a
+different form (the rotary embedding and the KV-cache concat inside the pattern), so this one
+is ours.
 
 The match is structural and checked, never assumed: it starts at each ``Softmax`` and accepts
 only the form the rule emits, with every shape read from the lowering's static value_info.
@@ -23,6 +24,13 @@ only the form the rule emits, with every shape read from the lowering's static v
   ``H // Hk`` copies, reshape), float32 throughout;
 - every intermediate is used only inside the match (else its value would be lost).
 
+Exactness: onnxruntime's kernel adds every mask (so a NaN score at a masked position spreads
+where eager's ``masked_fill`` drops it) and gives 0 on a row whose keys are all masked even when
+a score there is NaN or inf (eager: NaN). With finite scores the two agree. So the rewrite is
+``If(sum|q| * sum|k| * max(1, |scale|) < 1e37, Attention, the decomposed nodes unchanged)``:
+the bound proves every score and partial sum finite; NaN, inf or huge inputs take the original
+nodes and get eager's answer. The guard reads q and the cache once (two ``ReduceL1``).
+
 The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.fuse_for_ort`.
 """
 
@@ -34,6 +42,9 @@ import numpy as np
 import onnx_ir as ir
 
 OPSET = 23  # the first opset with Attention
+# |every score| <= sum|q| * sum|k| * max(1, |scale|) < _LIMIT: no score, partial sum or scaled
+# operand can overflow, whichever order a kernel multiplies and scales in
+_LIMIT = 1e37
 
 
 def fuse_attention(model: ir.Model) -> int:
@@ -97,6 +108,8 @@ class _Match:
         scores = softmax.inputs[0]
         shape = _shape(scores)
         if shape is None or len(shape) != 4 or scores.dtype != ir.DataType.FLOAT:
+            return False
+        if 0 in shape:  # empty attention: nothing to gain, and no kernel contract to rely on
             return False
         if _int_attr(softmax, "axis", -1) not in (-1, 3):
             return False
@@ -274,7 +287,37 @@ class _Match:
         return True
 
     def rewrite(self, graph: ir.Graph) -> None:
+        """``If(scores provably finite, Attention, the decomposed nodes as they were)``."""
+        order = {id(n): i for i, n in enumerate(graph)}
+        self.nodes.sort(key=lambda n: order[id(n)])
         anchor = self.out.producer()
+        name = self.out.name
+        fused = self._fused(graph)
+        guard = [
+            ir.Node("", "ReduceL1", [self.q], [ir.AttrInt64("keepdims", 0)]),
+            ir.Node("", "ReduceL1", [self.k], [ir.AttrInt64("keepdims", 0)]),
+        ]
+        guard.append(ir.Node("", "Mul", [guard[0].outputs[0], guard[1].outputs[0]]))
+        limit = ir.Value(name=f"{name}/finite_limit")
+        limit.const_value = ir.tensor(np.array(_LIMIT / max(1.0, abs(self.scale)), np.float32))
+        graph.register_initializer(limit)
+        guard.append(ir.Node("", "Less", [guard[2].outputs[0], limit]))
+        result = ir.Value(name=f"{name}/if", shape=self.out.shape, type=self.out.type)
+        for i, n in enumerate(guard):  # unnamed values get "val_N" per scope: clashes
+            n.outputs[0].name = f"{name}/guard{i}"
+        graph.insert_before(anchor, guard)
+        self.out.replace_all_uses_with(result, replace_graph_outputs=True)
+        graph.remove(self.nodes)  # not safe=True: that would detach their inputs
+        decomposed = ir.Graph((), [self.out], nodes=self.nodes, name=f"{name}/decomposed")
+        branch = ir.Node(
+            "", "If", [guard[-1].outputs[0]],
+            [ir.AttrGraph("then_branch", fused), ir.AttrGraph("else_branch", decomposed)],
+            outputs=[result],
+        )
+        graph.insert_after(guard[-1], branch)
+        self.out.name, result.name = f"{name}/decomposed", name  # a region output keeps its name
+
+    def _fused(self, graph: ir.Graph) -> ir.Graph:
         new: list[ir.Node] = []
         mask = self.mask
         if mask is not None and len(mask.shape) < 4:  # a causal [L, S] constant, say
@@ -283,19 +326,18 @@ class _Match:
             graph.register_initializer(shape)
             new.append(ir.Node("", "Reshape", [mask, shape]))
             mask = new[-1].outputs[0]
-        if mask is not None and self.negate:
+            mask.name = f"{self.out.name}/mask4d"
+        if mask is not None and self.negate:  # with finite scores, masked_fill == + -inf
             new.append(ir.Node("", "Not", [mask]))
             mask = new[-1].outputs[0]
+            mask.name = f"{self.out.name}/keep"
         inputs = [self.q, self.k, self.v] + ([mask] if mask is not None else [])
         attn = ir.Node("", "Attention", inputs, [ir.AttrFloat32("scale", self.scale)])
         new.append(attn)
         out = attn.outputs[0]
         out.shape, out.type = self.out.shape, self.out.type
-        name = self.out.name
-        graph.insert_before(anchor, new)
-        self.out.replace_all_uses_with(out, replace_graph_outputs=True)
-        graph.remove(self.nodes, safe=True)
-        out.name = name  # a region output keeps its name
+        out.name = f"{self.out.name}/attention"
+        return ir.Graph((), [out], nodes=new, name=f"{self.out.name}/fused")
 
 
 def _is(a: np.ndarray | None, value: float) -> bool:

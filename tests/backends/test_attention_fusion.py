@@ -4,6 +4,7 @@ one matches eager (float32: atol 1e-5 scaled by the output's magnitude)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,22 +105,79 @@ def test_special_values_match_eager(case, opts):
     assert sum(r.fusions.get("attention", 0) for r in report.regions) == 1
 
 
-def test_the_one_documented_difference(opts):
-    """Every key masked through an additive -inf *and* an infinite score in that row: eager's
-    ``inf + -inf`` is NaN; onnxruntime's Attention gives the row 0, as for any fully masked
-    row. Documented in docs/failure-model.md; ``host_fusions=False`` gives eager's NaN."""
+@pytest.mark.parametrize("causal", [False, True], ids=["additive-all-masked", "causal"])
+def test_non_finite_scores_take_the_decomposed_branch(causal, opts):
+    """onnxruntime's Attention adds every mask (a NaN at a masked position spreads) and gives
+    0 on a row whose keys are all masked even when a score is NaN or inf; eager replaces
+    masked scores (masked_fill) and gives NaN there. The fused node therefore runs only when
+    the guard proves every score finite; these inputs take the decomposed branch and get
+    eager's NaNs exactly (without the guard: 32 and 160 elements differed)."""
     q, k, v, m = _special("inf key")
-    m[...] = float("-inf")
-    expected = _sdpa_with_matmul(q, k, v, m)
-    assert expected.isnan().all()
-    fused = torch.compile(_sdpa_with_matmul, backend="fxpass_bpu", dynamic=False, options=opts)
-    assert torch.equal(fused(q, k, v, m), torch.zeros_like(expected))
-    torch._dynamo.reset()
-    plain = torch.compile(
-        _sdpa_with_matmul, backend="fxpass_bpu", dynamic=False,
-        options={**opts, "host_fusions": False},
-    )
-    assert plain(q, k, v, m).isnan().all()
+    if causal:
+        q = torch.randn(1, 2, 6, 16)
+        k[0, 0, 2] = torch.randn(16)
+        k[0, 0, 5, 3] = float("nan")  # a future key: only the last row sees it
+
+        def fn(q, k, v):
+            return F.scaled_dot_product_attention(
+                q @ torch.eye(16), k, v, is_causal=True, enable_gqa=True
+            )
+
+        args = (q, k, v)
+    else:
+        m[...] = float("-inf")
+        fn, args = _sdpa_with_matmul, (q, k, v, m)
+    expected = fn(*args)
+    assert expected.isnan().any() and not expected.isnan().all() if causal else True
+    got = torch.compile(fn, backend="fxpass_bpu", dynamic=False, options=opts)(*args)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_guard_keeps_the_fused_branch_on_ordinary_inputs(opts):
+    """The guard's bound is loose (sum|q| * sum|k|), so ordinary activations, and large but
+    safe ones, stay on the fused node: checked by running the region's model with the
+    decomposed branch made to fail."""
+    import onnx
+
+    from fxpass.backends.bpu import compile as C
+
+    seen = []
+    real = C.fuse_for_ort
+
+    def spy(proto):
+        fused, counts = real(proto)
+        seen.append(fused)
+        return fused, counts
+
+    q, k, v, m = _special("none")
+    k = k * 1e3
+    C.fuse_for_ort = spy
+    try:
+        torch.compile(_sdpa_with_matmul, backend="fxpass_bpu", dynamic=False, options={
+            **opts, "cache": False})(q, k, v, m)
+    finally:
+        C.fuse_for_ort = real
+    (model,) = seen
+    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
+    attrs = {a.name: a for a in if_node.attribute}
+    assert [n.op_type for n in attrs["then_branch"].g.node] == ["Attention"]
+    # poison the decomposed branch: if it ran, the output would be NaN
+    bad = onnx.helper.make_node("Identity", ["poison"], [attrs["else_branch"].g.output[0].name])
+    else_g = attrs["else_branch"].g
+    del else_g.node[:]
+    else_g.node.append(bad)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(
+        np.full(tuple(expected_shape(q, v)), np.nan, np.float32), "poison"))
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), (q, k, v, m), strict=True)}
+    (out,) = sess.run(None, feeds)
+    torch.testing.assert_close(torch.from_numpy(out), _sdpa_with_matmul(q, k, v, m))
+
+
+def expected_shape(q, v):
+    return (*q.shape[:-1], v.shape[-1])
 
 
 def test_attention_weights_used_elsewhere_are_not_fused(opts):
