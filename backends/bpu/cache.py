@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import tempfile
 import time
 import warnings
@@ -168,12 +169,35 @@ class ArtifactCache:
             raw = man.read_bytes()
         except OSError:  # evicted meanwhile, or unreadable: compile instead
             return None
-        why = _check_manifest(raw, data, key, suffix)
+        why = _check_manifest(raw, checksum(data), key, suffix)
         if why:
             return self._corrupt(art, man, why)
         with contextlib.suppress(OSError):  # least-recently-used eviction reads the mtime
             os.utime(art)
         return data
+
+    def get_path(self, key: str, suffix: str) -> Path | None:
+        """:meth:`get`, verified by streaming the file: the path, never the bytes in memory.
+
+        For artifacts the consumer reads from disk itself (onnxruntime loads a model path with
+        one copy fewer than from bytes: 0.72 s and 516 MB against 1.0 s and 856 MB for a 282 MB
+        model). Entries are replaced only atomically (``os.replace`` of a complete file), so
+        the file the consumer opens is this verified one or a complete newer one for the key.
+        """
+        art, man = self._paths(key, suffix)
+        try:
+            if not (art.is_file() and man.is_file()):
+                return None
+            raw = man.read_bytes()
+            digest = file_checksum(art)
+        except OSError:
+            return None
+        why = _check_manifest(raw, digest, key, suffix)
+        if why:
+            return self._corrupt(art, man, why)
+        with contextlib.suppress(OSError):
+            os.utime(art)
+        return art
 
     def put(self, key: str, suffix: str, data: bytes, keep: tuple[str, ...] = ()) -> Path | None:
         """Store ``data``; return its path, or None when the cache cannot be written.
@@ -193,6 +217,38 @@ class ArtifactCache:
         try:
             art.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(art, data)
+            _atomic_write(man, json.dumps(manifest).encode())
+        except OSError as e:
+            self._unwritable(e)
+            return None
+        self._evict(keep={key, *keep})
+        return art
+
+    def put_file(
+        self, key: str, suffix: str, src: str | os.PathLike, keep: tuple[str, ...] = ()
+    ) -> Path | None:
+        """:meth:`put` of a file's contents, moved into place (not read into memory) when it
+        is on the cache's filesystem; ``src`` is consumed either way."""
+        art, man = self._paths(key, suffix)
+        try:
+            digest, size = file_checksum(src), os.path.getsize(src)
+            art.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=art.parent, prefix=art.name + ".", suffix=".tmp")
+            os.close(fd)
+            try:
+                try:
+                    os.replace(src, tmp)
+                except OSError:  # another filesystem: copy, then let the caller's temp go
+                    shutil.copyfile(src, tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, art)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            manifest = {"checksum": digest, "key": key, "suffix": suffix, "size": size,
+                        "tools": tool_versions()}
             _atomic_write(man, json.dumps(manifest).encode())
         except OSError as e:
             self._unwritable(e)
@@ -307,8 +363,9 @@ def _max_bytes(value: int | None) -> int:
     return n
 
 
-def _check_manifest(raw: bytes, data: bytes, key: str, suffix: str) -> str | None:
-    """Why the manifest does not vouch for ``data`` as ``key``/``suffix``, or None if it does.
+def _check_manifest(raw: bytes, digest: str, key: str, suffix: str) -> str | None:
+    """Why the manifest does not vouch for an artifact of checksum ``digest`` as
+    ``key``/``suffix``, or None if it does.
 
     Checking the key and suffix catches an artifact filed under another key or kind (it would
     run as this region); any malformed manifest is corruption, never an uncaught error.
@@ -329,7 +386,7 @@ def _check_manifest(raw: bytes, data: bytes, key: str, suffix: str) -> str | Non
         return f"manifest is for a {m['suffix']!r} artifact, not {suffix!r}"
     if m["tools"] != tool_versions():
         return "manifest records other tool versions than its key"
-    if checksum(data) != m["checksum"]:
+    if digest != m["checksum"]:
         return "checksum mismatch"
     return None
 
@@ -342,6 +399,18 @@ def checksum(data: bytes) -> str:
 
     h = hasher()
     h.update(data)
+    return f"{HASH_NAME}:{h.hexdigest()}"
+
+
+def file_checksum(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
+    """:func:`checksum` of a file's contents, read in chunks into one reused buffer."""
+    from fxpass.backends.bpu.digest import HASH_NAME, hasher
+
+    h, buf = hasher(), bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return f"{HASH_NAME}:{h.hexdigest()}"
 
 

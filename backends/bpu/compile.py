@@ -123,25 +123,39 @@ def _compile_ort(
         ex = OrtExecutor(data, input_names, threads=threads)
         return Compiled(ex, key, False, len(data), fusions)
     # Let onnxruntime write its optimized model once; later processes load it unoptimized.
-    with tempfile.TemporaryDirectory() as tmp:
-        opt = os.path.join(tmp, "opt.onnx")
-        ex = OrtExecutor(data, input_names, threads=threads, optimized_path=opt)
-        with open(opt, "rb") as f:
-            optimized = f.read()
-    # One entry, two files: a hit needs both. An unwritable cache (put -> None, warned once)
-    # keeps the session in memory.
-    if cache.put(key, ".ort.onnx", optimized) is not None:
-        cache.put(key, ".fusions.json", json.dumps(fusions).encode())
-    return Compiled(ex, key, False, len(data), fusions)
+    # onnxruntime reads the model from a file and writes the optimized one beside it, which is
+    # moved into the cache: neither is held in memory as bytes beside the session.
+    size = len(data)
+    with _build_dir(cache) as tmp:
+        src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
+        with open(src, "wb") as f:
+            f.write(data)
+        del data
+        ex = OrtExecutor(src, input_names, threads=threads, optimized_path=opt)
+        # One entry, two files: a hit needs both. An unwritable cache (None, warned once)
+        # keeps the session in memory.
+        if cache.put_file(key, ".ort.onnx", opt) is not None:
+            cache.put(key, ".fusions.json", json.dumps(fusions).encode())
+    return Compiled(ex, key, False, size, fusions)
+
+
+def _build_dir(cache: ArtifactCache) -> tempfile.TemporaryDirectory:
+    """A scratch directory on the cache's filesystem (so the result is moved, not copied),
+    or the system's when the cache root cannot hold one."""
+    try:
+        cache.root.mkdir(parents=True, exist_ok=True)
+        return tempfile.TemporaryDirectory(dir=cache.root, prefix=".build-")
+    except OSError:
+        return tempfile.TemporaryDirectory(prefix="fxpass-build-")
 
 
 def _cached_ort(
     cache: ArtifactCache, key: str, input_names: list[str], threads: int | None
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager."""
-    data = cache.get(key, ".ort.onnx")
+    path = cache.get_path(key, ".ort.onnx")
     info = cache.get(key, ".fusions.json")
-    if data is None or info is None:
+    if path is None or info is None:
         return None
     try:
         fusions = json.loads(info)
@@ -149,11 +163,11 @@ def _cached_ort(
             isinstance(k, str) and isinstance(v, int) for k, v in fusions.items()
         ):
             raise ValueError(f"fusions are not a {{name: count}} object: {fusions!r:.80}")
-        ex = OrtExecutor(data, input_names, threads=threads, preoptimized=True)
+        ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=True)
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
-        _warn_unloadable(cache.path(key, ".ort.onnx"), e)
+        _warn_unloadable(path, e)
         return None
-    return Compiled(ex, key, True, len(data), fusions)
+    return Compiled(ex, key, True, path.stat().st_size, fusions)
 
 
 def _warn_unloadable(path: os.PathLike, e: Exception) -> None:

@@ -52,6 +52,7 @@ def test_second_process_reuses_artifacts_and_corruption_is_rebuilt(tmp_path):
         p.write_bytes(p.read_bytes()[:-7] + b"garbage")
     third = _run(tmp_path)
     assert third["cached"] == [False] and third["err"] < 1e-4
+    assert not list(tmp_path.rglob(".build-*")), "the scratch directory of a build is removed"
 
 
 def test_cache_key_covers_node_arguments_and_full_weights():
@@ -79,6 +80,25 @@ def test_corrupt_manifest_and_atomic_put(tmp_path):
     assert not art.exists()
     assert not list(tmp_path.rglob("*.tmp"))  # no temp files left behind
     fxpass.compile_reports()  # public accessor exists
+
+
+def test_put_file_moves_and_get_path_verifies_by_streaming(tmp_path):
+    """Large host models go in by file and come out as a verified path (issue 12: no copy of
+    the weights as bytes beside the session); the manifest is the same as put's."""
+    c = ArtifactCache(tmp_path / "cache")
+    payload = bytes(range(256)) * 40_000  # 10 MB: more than one 8 MB checksum chunk
+    src = tmp_path / "opt.onnx"
+    src.write_bytes(payload)
+    art = c.put_file("ab12", ".ort.onnx", src)
+    assert art is not None and not src.exists(), "moved, not copied"
+    assert c.get_path("ab12", ".ort.onnx") == art
+    assert c.get("ab12", ".ort.onnx") == payload  # the bytes path agrees with the streamed one
+    data = bytearray(payload)
+    data[9_000_000] ^= 1  # one bit, in the second chunk
+    art.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert c.get_path("ab12", ".ort.onnx") is None
+    assert not art.exists()
 
 
 # -- cached plans: a warm compile skips the rules and the partitioner (issue 12, item 3) --------
