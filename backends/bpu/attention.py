@@ -29,7 +29,11 @@ where eager's ``masked_fill`` drops it) and gives 0 on a row whose keys are all 
 a score there is NaN or inf (eager: NaN). With finite scores the two agree. So the rewrite is
 ``If(sum|q| * sum|k| * max(1, |scale|) < 1e37, Attention, the decomposed nodes unchanged)``:
 the bound proves every score and partial sum finite; NaN, inf or huge inputs take the original
-nodes and get eager's answer. The guard reads q and the cache once (two ``ReduceL1``).
+nodes and get eager's answer. The guard reads q and the cache once (two ``ReduceL1``). An
+additive mask must also hold only -inf or moderate values (sum of the finite |values| < 1e30):
+the kernel zeroes a row masked with HF's ``finfo.min`` where eager averages v. The mask is
+expanded to ``[., ., L, S]`` (the kernel does not broadcast those two), and a scale <= 0 or
+k and v repeated differently are not fused (the kernel refuses them).
 
 The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.fuse_for_ort`.
 """
@@ -127,7 +131,11 @@ class _Match:
             return False
         if not self._scores(scores, b, h, q_len, s_len):
             return False
-        return _shape(self.q)[-1] == _shape(self.k)[-1] and h % _shape(self.k)[1] == 0
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            return False  # the kernel refuses scale <= 0 and reads NaN as "not set"
+        k, v = _shape(self.k), _shape(self.v)
+        # k and v repeated alike (hand-written attention may repeat only one of them)
+        return k[:3] == v[:3] and _shape(self.q)[-1] == k[-1] and h % k[1] == 0
 
     def _safe_tail(self, p: ir.Value, scores: ir.Value) -> ir.Value | None:
         """``Where(all(scores == -inf, -1, keepdim), 0, p)``: the rows with no key left."""
@@ -293,24 +301,36 @@ class _Match:
         anchor = self.out.producer()
         name = self.out.name
         fused = self._fused(graph)
-        guard = [
-            ir.Node("", "ReduceL1", [self.q], [ir.AttrInt64("keepdims", 0)]),
-            ir.Node("", "ReduceL1", [self.k], [ir.AttrInt64("keepdims", 0)]),
-        ]
-        guard.append(ir.Node("", "Mul", [guard[0].outputs[0], guard[1].outputs[0]]))
-        limit = ir.Value(name=f"{name}/finite_limit")
-        limit.const_value = ir.tensor(np.array(_LIMIT / max(1.0, abs(self.scale)), np.float32))
-        graph.register_initializer(limit)
-        guard.append(ir.Node("", "Less", [guard[2].outputs[0], limit]))
+        def const(tag: str, value: float) -> ir.Value:
+            v = ir.Value(name=f"{name}/{tag}")
+            v.const_value = ir.tensor(np.array(value, np.float32))
+            graph.register_initializer(v)
+            return v
+
+        def node(op: str, *inputs: ir.Value, **attrs: int) -> ir.Value:
+            n = ir.Node("", op, inputs, [ir.AttrInt64(k, v) for k, v in attrs.items()])
+            n.outputs[0].name = f"{name}/guard{len(guard)}"  # unnamed: "val_N" per scope
+            guard.append(n)
+            return n.outputs[0]
+
+        guard: list[ir.Node] = []
+        l1 = node("Mul", node("ReduceL1", self.q, keepdims=0), node("ReduceL1", self.k, keepdims=0))
+        ok = node("Less", l1, const("finite_limit", _LIMIT / max(1.0, abs(self.scale))))
+        if self.mask is not None and not self.negate:
+            # onnxruntime's kernel zeroes a row whose additive mask is all very negative finite
+            # (HF's finfo.min padding), where eager averages v: only 0 or -inf, or moderate
+            # values, take the fused branch (a sum, so NaN and inf fail the test too)
+            big = node("Where", node("Equal", self.mask, const("minus_inf", -math.inf)),
+                       const("zero", 0.0), node("Abs", self.mask))
+            mask_ok = node("Less", node("ReduceSum", big, keepdims=0), const("mask_limit", 1e30))
+            ok = node("And", ok, mask_ok)
         result = ir.Value(name=f"{name}/if", shape=self.out.shape, type=self.out.type)
-        for i, n in enumerate(guard):  # unnamed values get "val_N" per scope: clashes
-            n.outputs[0].name = f"{name}/guard{i}"
         graph.insert_before(anchor, guard)
         self.out.replace_all_uses_with(result, replace_graph_outputs=True)
         graph.remove(self.nodes)  # not safe=True: that would detach their inputs
         decomposed = ir.Graph((), [self.out], nodes=self.nodes, name=f"{name}/decomposed")
         branch = ir.Node(
-            "", "If", [guard[-1].outputs[0]],
+            "", "If", [ok],
             [ir.AttrGraph("then_branch", fused), ir.AttrGraph("else_branch", decomposed)],
             outputs=[result],
         )
@@ -320,13 +340,23 @@ class _Match:
     def _fused(self, graph: ir.Graph) -> ir.Graph:
         new: list[ir.Node] = []
         mask = self.mask
+        dims = [1] * (4 - len(mask.shape)) + list(mask.shape) if mask is not None else []
         if mask is not None and len(mask.shape) < 4:  # a causal [L, S] constant, say
             shape = ir.Value(name=f"{self.out.name}/mask_shape")
-            shape.const_value = ir.tensor(np.array([1] * (4 - len(mask.shape)) + list(mask.shape)))
+            shape.const_value = ir.tensor(np.array(dims, np.int64))
             graph.register_initializer(shape)
             new.append(ir.Node("", "Reshape", [mask, shape]))
             mask = new[-1].outputs[0]
             mask.name = f"{self.out.name}/mask4d"
+        if mask is not None:  # the kernel wants the mask's last two dims as [L, S] exactly
+            full = [*dims[:2], self.q.shape[2], self.k.shape[2]]
+            if dims != full:
+                shape = ir.Value(name=f"{self.out.name}/mask_full")
+                shape.const_value = ir.tensor(np.array(full, np.int64))
+                graph.register_initializer(shape)
+                new.append(ir.Node("", "Expand", [mask, shape]))
+                mask = new[-1].outputs[0]
+                mask.name = f"{self.out.name}/mask_expanded"
         if mask is not None and self.negate:  # with finite scores, masked_fill == + -inf
             new.append(ir.Node("", "Not", [mask]))
             mask = new[-1].outputs[0]

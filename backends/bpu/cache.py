@@ -40,6 +40,7 @@ CACHE_VERSION = "5"
 MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash
+BUILD_PREFIX = ".build-"  # scratch directories of host builds, under the cache root
 _HEX = re.compile(r"[0-9a-f]+")
 # cache roots already warned about as unwritable in this process (warn once, not per region)
 _UNWRITABLE_WARNED: set[str] = set()
@@ -176,8 +177,8 @@ class ArtifactCache:
             os.utime(art)
         return data
 
-    def get_path(self, key: str, suffix: str) -> Path | None:
-        """:meth:`get`, verified by streaming the file: the path, never the bytes in memory.
+    def get_path(self, key: str, suffix: str) -> tuple[Path, int] | None:
+        """:meth:`get`, verified by streaming the file: (path, size), never the bytes.
 
         For artifacts the consumer reads from disk itself (onnxruntime loads a model path with
         one copy fewer than from bytes: 0.72 s and 516 MB against 1.0 s and 856 MB for a 282 MB
@@ -190,6 +191,7 @@ class ArtifactCache:
                 return None
             raw = man.read_bytes()
             digest = file_checksum(art)
+            size = art.stat().st_size
         except OSError:
             return None
         why = _check_manifest(raw, digest, key, suffix)
@@ -197,7 +199,7 @@ class ArtifactCache:
             return self._corrupt(art, man, why)
         with contextlib.suppress(OSError):
             os.utime(art)
-        return art
+        return art, size
 
     def put(self, key: str, suffix: str, data: bytes, keep: tuple[str, ...] = ()) -> Path | None:
         """Store ``data``; return its path, or None when the cache cannot be written.
@@ -228,7 +230,7 @@ class ArtifactCache:
         self, key: str, suffix: str, src: str | os.PathLike, keep: tuple[str, ...] = ()
     ) -> Path | None:
         """:meth:`put` of a file's contents, moved into place (not read into memory) when it
-        is on the cache's filesystem; ``src`` is consumed either way."""
+        is on the cache's filesystem (else copied; the caller removes ``src``)."""
         art, man = self._paths(key, suffix)
         try:
             digest, size = file_checksum(src), os.path.getsize(src)
@@ -287,9 +289,15 @@ class ArtifactCache:
         entries: dict[str, list[tuple[str, int, float]]] = {}
         total = 0
         try:
-            subdirs = [d for d in os.scandir(self.root) if len(d.name) == 2]
+            top = list(os.scandir(self.root))
         except OSError:
             return
+        subdirs = [d for d in top if len(d.name) == 2]
+        for d in top:  # scratch directories of builds killed mid-way (each holds a model)
+            if d.name.startswith(BUILD_PREFIX) and d.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    if now - d.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+                        shutil.rmtree(d.path, ignore_errors=True)
         for sub in subdirs:
             if not _HEX.fullmatch(sub.name):
                 continue

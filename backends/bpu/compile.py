@@ -27,7 +27,7 @@ from typing import Any
 import onnx
 
 from fxpass.backends.bpu import quantize as Q
-from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, region_key
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.host import fuse_for_ort
 from fxpass.backends.bpu.lower import lower
@@ -128,10 +128,20 @@ def _compile_ort(
     size = len(data)
     with _build_dir(cache) as tmp:
         src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
-        with open(src, "wb") as f:
-            f.write(data)
+        try:
+            with open(src, "wb") as f:
+                f.write(data)
+        except OSError as e:  # a full disk costs the caching, never the offload
+            cache._unwritable(e)
+            return Compiled(OrtExecutor(data, input_names, threads=threads), key, False, size,
+                            fusions)
         del data
-        ex = OrtExecutor(src, input_names, threads=threads, optimized_path=opt)
+        try:
+            ex = OrtExecutor(src, input_names, threads=threads, optimized_path=opt)
+        except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
+            ex = OrtExecutor(src, input_names, threads=threads)  # a model error raises again
+            cache._unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
+            return Compiled(ex, key, False, size, fusions)
         # One entry, two files: a hit needs both. An unwritable cache (None, warned once)
         # keeps the session in memory.
         if cache.put_file(key, ".ort.onnx", opt) is not None:
@@ -141,10 +151,11 @@ def _compile_ort(
 
 def _build_dir(cache: ArtifactCache) -> tempfile.TemporaryDirectory:
     """A scratch directory on the cache's filesystem (so the result is moved, not copied),
-    or the system's when the cache root cannot hold one."""
+    or the system's when the cache root cannot hold one. Stale ones (a killed process) are
+    swept by the cache's eviction."""
     try:
         cache.root.mkdir(parents=True, exist_ok=True)
-        return tempfile.TemporaryDirectory(dir=cache.root, prefix=".build-")
+        return tempfile.TemporaryDirectory(dir=cache.root, prefix=BUILD_PREFIX)
     except OSError:
         return tempfile.TemporaryDirectory(prefix="fxpass-build-")
 
@@ -153,10 +164,11 @@ def _cached_ort(
     cache: ArtifactCache, key: str, input_names: list[str], threads: int | None
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager."""
-    path = cache.get_path(key, ".ort.onnx")
+    hit = cache.get_path(key, ".ort.onnx")
     info = cache.get(key, ".fusions.json")
-    if path is None or info is None:
+    if hit is None or info is None:
         return None
+    path, size = hit
     try:
         fusions = json.loads(info)
         if not isinstance(fusions, dict) or not all(
@@ -167,7 +179,7 @@ def _cached_ort(
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         _warn_unloadable(path, e)
         return None
-    return Compiled(ex, key, True, path.stat().st_size, fusions)
+    return Compiled(ex, key, True, size, fusions)
 
 
 def _warn_unloadable(path: os.PathLike, e: Exception) -> None:

@@ -15,7 +15,9 @@ import fxpass
 def _run(fn, *args, opts):
     before = len(fxpass.compile_reports())
     expected = fn(*args)
-    got = torch.compile(fn, backend="fxpass_bpu", dynamic=False, options=opts)(*args)
+    # strict: a region failing in onnxruntime at run time raises instead of running eagerly
+    strict = {**opts, "strict": True}
+    got = torch.compile(fn, backend="fxpass_bpu", dynamic=False, options=strict)(*args)
     (report,) = fxpass.compile_reports()[before:]
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = got if isinstance(got, tuple) else (got,)
@@ -178,6 +180,73 @@ def test_guard_keeps_the_fused_branch_on_ordinary_inputs(opts):
 
 def expected_shape(q, v):
     return (*q.shape[:-1], v.shape[-1])
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 11), (1, 1, 3, 11), (1, 8, 1, 11), (3, 11)])
+def test_broadcast_masks_fuse_and_match_eager(shape, gqa, opts):
+    """onnxruntime's kernel wants the mask's last two dims to be [L, S] exactly: a key-padding
+    mask [B, 1, 1, S] failed the region (found in review); the mask is expanded first."""
+    q, k, v = _qkv(hk=4 if gqa else 8, q_len=3, s_len=11)
+    w = torch.randn(16, 16) / 4
+    m = torch.rand(*shape) > 0.3
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(_proj(q, w), k, v, attn_mask=m, enable_gqa=gqa)
+
+    assert _run(fn, q, k, v, m, opts=opts) == 1
+
+
+def test_very_negative_finite_masks_match_eager(opts):
+    """HF pads with ``finfo.min``, not -inf: eager averages v over a row masked that way, and
+    onnxruntime's kernel returned 0 for it (found in review). Such masks fail the guard and
+    run the decomposed branch."""
+    q, k, v = _qkv(q_len=2, s_len=4)
+    w = torch.randn(16, 16) / 4
+    m = torch.zeros(2, 1, 2, 4)
+    m[0, 0, 0] = torch.finfo(torch.float32).min
+    m[1, 0, 1, :2] = -1e35
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(_proj(q, w), k, v, attn_mask=m, enable_gqa=True)
+
+    assert _run(fn, q, k, v, m, opts=opts) == 1  # fused, and still eager's answer
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.25])
+def test_non_positive_scale_is_not_fused(scale, opts):
+    """onnxruntime refuses scale <= 0 when the session is built (the region fell back to
+    eager, found in review): such attention stays decomposed."""
+    q, k, v = _qkv(hk=8)
+    w = torch.randn(16, 16) / 4
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(_proj(q, w), k, v, scale=scale)
+
+    assert _run(fn, q, k, v, opts=opts) == 0
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_k_and_v_repeated_differently_are_not_fused(which, opts):
+    """Hand-written attention repeating only k (or only v) matched and failed in onnxruntime
+    at the first call (found in review): k and v must have the same heads."""
+    q, k, v = _qkv(hk=4)
+    w = torch.randn(16, 16) / 4
+
+    def rep(x):
+        return x.unsqueeze(2).expand(2, 4, 2, 11, 16).reshape(2, 8, 11, 16)
+
+    def fn(q, k, v):
+        kk, vv = (rep(k), rep(v).contiguous()) if which == "k" else (rep(k), v)
+        if which == "k":
+            vv = torch.cat([v, v], 1)  # 8 heads, but not the GQA repeat: a different layout
+        else:
+            kk = torch.cat([k, k], 1)
+            vv = rep(v)
+        s = (_proj(q, w) @ kk.transpose(-2, -1)) * 0.25
+        return torch.ops.aten._safe_softmax(s, -1) @ vv
+
+    _run(fn, q, k, v, opts=opts)  # asserts eager's answer and no fallback
 
 
 def test_attention_weights_used_elsewhere_are_not_fused(opts):

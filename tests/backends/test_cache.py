@@ -91,7 +91,7 @@ def test_put_file_moves_and_get_path_verifies_by_streaming(tmp_path):
     src.write_bytes(payload)
     art = c.put_file("ab12", ".ort.onnx", src)
     assert art is not None and not src.exists(), "moved, not copied"
-    assert c.get_path("ab12", ".ort.onnx") == art
+    assert c.get_path("ab12", ".ort.onnx") == (art, len(payload))
     assert c.get("ab12", ".ort.onnx") == payload  # the bytes path agrees with the streamed one
     data = bytearray(payload)
     data[9_000_000] ^= 1  # one bit, in the second chunk

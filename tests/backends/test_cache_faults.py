@@ -364,3 +364,55 @@ def test_size_bound_never_costs_the_entry_just_written(tmp_path, monkeypatch):
     err, r = _compile(_mlp(11), cache_dir=str(tmp_path))
     assert err < 1e-5
     assert len({p.name.split(".")[0] for p in _files(tmp_path)}) == 1  # the old one evicted
+
+
+# a full disk under the cache root, and builds killed mid-way ------------------------------
+
+
+def test_full_disk_while_writing_the_model_keeps_the_offload(tmp_path, monkeypatch):
+    """Host models are built in a scratch directory under the cache root. A full disk there
+    sent the region to eager (found in review); it now costs the caching only."""
+    real_open = open
+
+    def full(path, mode="r", *a, **k):
+        if str(path).endswith("model.onnx") and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(compile_mod, "open", full, raising=False)
+    monkeypatch.setattr(cache_mod, "_UNWRITABLE_WARNED", set())
+    with pytest.warns(UserWarning, match="not writable.*No space left"):
+        err, r = _compile(_mlp(3), cache_dir=str(tmp_path))
+    assert err < 1e-5 and _offloaded(r)
+    assert not list(tmp_path.rglob(".build-*"))
+
+
+def test_onnxruntime_unable_to_write_its_optimized_model_keeps_the_offload(
+    tmp_path, monkeypatch
+):
+    real = compile_mod.OrtExecutor
+
+    def no_space(model, names, threads=None, optimized_path=None, preoptimized=False):
+        if optimized_path:
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Protobuf serialization failed")
+        return real(model, names, threads=threads, preoptimized=preoptimized)
+
+    monkeypatch.setattr(compile_mod, "OrtExecutor", no_space)
+    monkeypatch.setattr(cache_mod, "_UNWRITABLE_WARNED", set())
+    with pytest.warns(UserWarning, match="could not write its optimized model"):
+        err, r = _compile(_mlp(4), cache_dir=str(tmp_path))
+    assert err < 1e-5 and _offloaded(r)
+    assert not [p for p in _files(tmp_path) if p.name.endswith(".ort.onnx")]
+
+
+def test_stale_build_directories_are_swept(tmp_path):
+    """A process killed while building leaves its scratch directory (a whole model) behind."""
+    c = ArtifactCache(tmp_path)
+    old, fresh = tmp_path / ".build-dead", tmp_path / ".build-live"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "model.onnx").write_bytes(b"x" * 1000)
+    past = time.time() - cache_mod.STALE_TMP_SECONDS - 60
+    os.utime(old, (past, past))
+    c.put("ab", ".bin", b"payload")  # every put runs the eviction sweep
+    assert not old.exists() and fresh.exists()
