@@ -40,6 +40,7 @@ The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -55,6 +56,8 @@ def fuse_attention(model: ir.Model) -> int:
     """Replace each matched decomposed attention in ``model`` by one ``Attention`` node."""
     graph = model.graph
     count = 0
+    if not kernel_available():
+        return 0
     for softmax in [n for n in graph if n.op_type == "Softmax" and n.domain == ""]:
         m = _Match.at(softmax)
         if m is None:
@@ -65,6 +68,28 @@ def fuse_attention(model: ir.Model) -> int:
         model.opset_imports[""] = max(model.opset_imports.get("", OPSET), OPSET)
         graph.opset_imports[""] = model.opset_imports[""]
     return count
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether this onnxruntime runs opset 23's ``Attention`` on the CPU (the project allows
+    onnxruntime releases from before it): probed once per process with a one-node model."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, 1, 2]) for n in "qkvy"]
+    graph = helper.make_graph(
+        [helper.make_node("Attention", ["q", "k", "v"], ["y"])], "probe", x[:3], x[3:]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 10
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        ones = np.ones((1, 1, 1, 2), np.float32)
+        (y,) = sess.run(None, {"q": ones, "k": ones, "v": ones})
+        return bool(np.allclose(y, ones))
+    except Exception:  # noqa: BLE001 - any failure means: do not fuse
+        return False
 
 
 def _shape(v: ir.Value | None) -> tuple[int, ...] | None:

@@ -281,6 +281,22 @@ def test_plain_softmax_is_not_fused(opts):
     assert all(not r.fusions.get("attention") for r in report.regions)
 
 
+def test_without_the_kernel_nothing_fuses(opts, monkeypatch):
+    """onnxruntime releases the project allows (>= 1.20) may lack opset 23's Attention on the
+    CPU: the probe says so once, and the regions stay decomposed instead of failing."""
+    from fxpass.backends.bpu import attention
+
+    assert attention.kernel_available(), "the pinned onnxruntime has the kernel"
+    monkeypatch.setattr(attention, "kernel_available", lambda: False)
+    q, k, v = _qkv()
+    w = torch.randn(16, 16) / 4
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(_proj(q, w), k, v, enable_gqa=True)
+
+    assert _run(fn, q, k, v, opts=opts) == 0
+
+
 def test_fusion_switched_off(opts):
     q, k, v = _qkv()
     w = torch.randn(16, 16) / 4
