@@ -162,20 +162,8 @@ class ArtifactCache:
 
         An unreadable cache is a miss, not an error: the region is compiled instead.
         """
-        art, man = self._paths(key, suffix)
-        try:
-            if not (art.is_file() and man.is_file()):
-                return None
-            data = art.read_bytes()
-            raw = man.read_bytes()
-        except OSError:  # evicted meanwhile, or unreadable: compile instead
-            return None
-        why = _check_manifest(raw, checksum(data), key, suffix)
-        if why:
-            return self._corrupt(art, man, why)
-        with contextlib.suppress(OSError):  # least-recently-used eviction reads the mtime
-            os.utime(art)
-        return data
+        hit = self._verified(key, suffix, read=True)
+        return hit[0] if hit is not None else None
 
     def get_path(self, key: str, suffix: str) -> tuple[Path, int] | None:
         """:meth:`get`, verified by streaming the file: (path, size), never the bytes.
@@ -185,21 +173,27 @@ class ArtifactCache:
         model). Entries are replaced only atomically (``os.replace`` of a complete file), so
         the file the consumer opens is this verified one or a complete newer one for the key.
         """
+        hit = self._verified(key, suffix, read=False)
+        return (self._paths(key, suffix)[0], hit[1]) if hit is not None else None
+
+    def _verified(self, key: str, suffix: str, read: bool) -> tuple[bytes | None, int] | None:
+        """(the bytes if ``read``, the size) of an entry its manifest vouches for, else None."""
         art, man = self._paths(key, suffix)
         try:
             if not (art.is_file() and man.is_file()):
                 return None
             raw = man.read_bytes()
-            digest = file_checksum(art)
-            size = art.stat().st_size
-        except OSError:
+            data = art.read_bytes() if read else None
+            digest = checksum(data) if read else file_checksum(art)
+            size = len(data) if read else art.stat().st_size
+        except OSError:  # evicted meanwhile, or unreadable: compile instead
             return None
         why = _check_manifest(raw, digest, key, suffix)
         if why:
             return self._corrupt(art, man, why)
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # least-recently-used eviction reads the mtime
             os.utime(art)
-        return art, size
+        return data, size
 
     def put(self, key: str, suffix: str, data: bytes, keep: tuple[str, ...] = ()) -> Path | None:
         """Store ``data``; return its path, or None when the cache cannot be written.
@@ -208,52 +202,33 @@ class ArtifactCache:
         memory: an unwritable cache must not cost the region its offload. Eviction spares
         ``key`` and the entries in ``keep`` (a plan keeps the region artifacts it names).
         """
-        art, man = self._paths(key, suffix)
-        manifest = {
-            "checksum": checksum(data),
-            "key": key,
-            "suffix": suffix,
-            "size": len(data),
-            "tools": tool_versions(),
-        }
-        try:
-            art.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(art, data)
-            _atomic_write(man, json.dumps(manifest).encode())
-        except OSError as e:
-            self._unwritable(e)
-            return None
-        self._evict(keep={key, *keep})
-        return art
+        return self._store(key, suffix, keep, data=data)
 
     def put_file(
         self, key: str, suffix: str, src: str | os.PathLike, keep: tuple[str, ...] = ()
     ) -> Path | None:
         """:meth:`put` of a file's contents, moved into place (not read into memory) when it
         is on the cache's filesystem (else copied; the caller removes ``src``)."""
+        return self._store(key, suffix, keep, src=src)
+
+    def _store(
+        self, key: str, suffix: str, keep: tuple[str, ...], data: bytes | None = None,
+        src: str | os.PathLike | None = None,
+    ) -> Path | None:
         art, man = self._paths(key, suffix)
         try:
-            digest, size = file_checksum(src), os.path.getsize(src)
+            manifest = {
+                "checksum": checksum(data) if src is None else file_checksum(src),
+                "key": key,
+                "suffix": suffix,
+                "size": len(data) if src is None else os.path.getsize(src),
+                "tools": tool_versions(),
+            }
             art.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=art.parent, prefix=art.name + ".", suffix=".tmp")
-            os.close(fd)
-            try:
-                try:
-                    os.replace(src, tmp)
-                except OSError:  # another filesystem: copy, then let the caller's temp go
-                    shutil.copyfile(src, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, art)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            manifest = {"checksum": digest, "key": key, "suffix": suffix, "size": size,
-                        "tools": tool_versions()}
+            _atomic_write(art, data, src=src)
             _atomic_write(man, json.dumps(manifest).encode())
         except OSError as e:
-            self._unwritable(e)
+            self.warn_unwritable(e)
             return None
         self._evict(keep={key, *keep})
         return art
@@ -261,7 +236,8 @@ class ArtifactCache:
     def path(self, key: str, suffix: str) -> Path:
         return self._paths(key, suffix)[0]
 
-    def _unwritable(self, e: OSError) -> None:
+    def warn_unwritable(self, e: OSError) -> None:
+        """Warn once per directory that compiled regions stay in memory only."""
         root = str(self.root)
         if root in _UNWRITABLE_WARNED:
             return
@@ -422,13 +398,26 @@ def file_checksum(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
     return f"{HASH_NAME}:{h.hexdigest()}"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(
+    path: Path, data: bytes | None = None, src: str | os.PathLike | None = None
+) -> None:
+    """Put ``data``, or the file ``src`` (moved, else copied), at ``path`` atomically: a reader
+    sees the old file or the complete new one, never a torn one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        if src is None:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            os.close(fd)
+            try:
+                os.replace(src, tmp)
+            except OSError:  # another filesystem
+                shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -132,7 +132,7 @@ def _compile_ort(
             with open(src, "wb") as f:
                 f.write(data)
         except OSError as e:  # a full disk costs the caching, never the offload
-            cache._unwritable(e)
+            cache.warn_unwritable(e)
             return Compiled(OrtExecutor(data, input_names, threads=threads), key, False, size,
                             fusions)
         del data
@@ -140,7 +140,7 @@ def _compile_ort(
             ex = OrtExecutor(src, input_names, threads=threads, optimized_path=opt)
         except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
             ex = OrtExecutor(src, input_names, threads=threads)  # a model error raises again
-            cache._unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
+            cache.warn_unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
             return Compiled(ex, key, False, size, fusions)
         # One entry, two files: a hit needs both. An unwritable cache (None, warned once)
         # keeps the session in memory.

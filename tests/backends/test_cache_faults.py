@@ -194,7 +194,7 @@ def _unwritable(kind: str, tmp_path: Path, monkeypatch) -> tuple[dict, str]:
         return {}, "/dev/null"
     if kind == "erofs":  # a read-only filesystem, which refuses root too
 
-        def refuse(path, data):
+        def refuse(path, *_, **__):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
         monkeypatch.setattr(cache_mod, "_atomic_write", refuse)
