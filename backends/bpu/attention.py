@@ -66,7 +66,6 @@ def fuse_attention(model: ir.Model) -> int:
         count += 1
     if count:
         model.opset_imports[""] = max(model.opset_imports.get("", OPSET), OPSET)
-        graph.opset_imports[""] = model.opset_imports[""]
     return count
 
 
@@ -327,10 +326,7 @@ class _Match:
         name = self.out.name
         fused = self._fused(graph)
         def const(tag: str, value: float) -> ir.Value:
-            v = ir.Value(name=f"{name}/{tag}")
-            v.const_value = ir.tensor(np.array(value, np.float32))
-            graph.register_initializer(v)
-            return v
+            return _initializer(graph, f"{name}/{tag}", np.array(value, np.float32))
 
         def node(op: str, *inputs: ir.Value, **attrs: int) -> ir.Value:
             n = ir.Node("", op, inputs, [ir.AttrInt64(k, v) for k, v in attrs.items()])
@@ -365,20 +361,11 @@ class _Match:
     def _fused(self, graph: ir.Graph) -> ir.Graph:
         new: list[ir.Node] = []
         mask = self.mask
-        dims = [1] * (4 - len(mask.shape)) + list(mask.shape) if mask is not None else []
-        if mask is not None and len(mask.shape) < 4:  # a causal [L, S] constant, say
-            shape = ir.Value(name=f"{self.out.name}/mask_shape")
-            shape.const_value = ir.tensor(np.array(dims, np.int64))
-            graph.register_initializer(shape)
-            new.append(ir.Node("", "Reshape", [mask, shape]))
-            mask = new[-1].outputs[0]
-            mask.name = f"{self.out.name}/mask4d"
-        if mask is not None:  # the kernel wants the mask's last two dims as [L, S] exactly
+        if mask is not None:  # the kernel wants a 4-D mask ending in [L, S] exactly
+            dims = [1] * (4 - len(mask.shape)) + list(mask.shape)  # a causal [L, S], say
             full = [*dims[:2], self.q.shape[2], self.k.shape[2]]
-            if dims != full:
-                shape = ir.Value(name=f"{self.out.name}/mask_full")
-                shape.const_value = ir.tensor(np.array(full, np.int64))
-                graph.register_initializer(shape)
+            if list(mask.shape) != full:  # Expand broadcasts the rank too
+                shape = _initializer(graph, f"{self.out.name}/mask_shape", np.array(full, np.int64))
                 new.append(ir.Node("", "Expand", [mask, shape]))
                 mask = new[-1].outputs[0]
                 mask.name = f"{self.out.name}/mask_expanded"
@@ -393,6 +380,13 @@ class _Match:
         out.shape, out.type = self.out.shape, self.out.type
         out.name = f"{self.out.name}/attention"
         return ir.Graph((), [out], nodes=new, name=f"{self.out.name}/fused")
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    v = ir.Value(name=name)
+    v.const_value = ir.tensor(array)
+    graph.register_initializer(v)
+    return v
 
 
 def _is(a: np.ndarray | None, value: float) -> bool:
