@@ -66,11 +66,16 @@ def _hf_generate(model: Any, ids: torch.Tensor, **kw: Any) -> Callable[[int], to
 
 def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], Any], Any]:
     model, ids = _build(name)
+    _compile_static(model, backend, max_len)
+    return _hf_generate(model, ids), model
+
+
+def _compile_static(model: Any, backend: str, max_len: int) -> None:
+    """A static cache of ``max_len`` and ``model.forward`` compiled with ``dynamic=False``."""
     model.generation_config.cache_implementation = "static"
     model.generation_config.max_cache_len = max_len
     opts = {"options": {}} if backend == "fxpass_bpu" else {}
     model.forward = torch.compile(model.forward, backend=backend, dynamic=False, **opts)
-    return _hf_generate(model, ids), model
 
 
 def _word_tokenizer(vocab: int) -> Any:
@@ -247,9 +252,7 @@ def _first_child(name: str, backend: str, new_tokens: int) -> None:
 
     model, ids = _build(name)
     t0 = time.perf_counter()
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.max_cache_len = PROMPT + new_tokens + 1
-    model.forward = torch.compile(model.forward, backend=backend, dynamic=False)
+    _compile_static(model, backend, PROMPT + new_tokens + 1)
     with contextlib.redirect_stderr(io.StringIO()):
         _hf_generate(model, ids)(new_tokens)
     print(json.dumps({"first_generate_s": time.perf_counter() - t0}))
