@@ -1,0 +1,153 @@
+"""The fxpass_bpu decode region of ``generate()``, alone and in place.
+
+    python -m benchmarks.decode_region [--model qwen3-4x512] [--repeats 7]
+
+Qwen3 4x512 (``benchmarks.generate``'s model), static cache, fxpass_bpu with the artifact cache
+off. The decode region's model and one step's inputs are captured from a real ``generate()``.
+
+1. **Host attention fusion, A/B.** The decode region is compiled twice in one process, with the
+   attention fusion (``backends/bpu/attention.py``) and without it (every other host fusion on
+   in both). Reported: ONNX nodes of each (top level, as the session sees them) and the
+   region's time on the captured inputs, the two sessions timed side by side
+   (``harness.interleave``, medians).
+2. **Where the region runs.** The fused region's executor timed in the same process: in a
+   tight loop, after a 2 ms idle gap (a decode step's host work between two calls), right after
+   a parallel torch op (a 512x512 matmul), and inside ``generate()`` (wrapped executor, median
+   over the decode steps).
+
+Writes ``benchmarks/results/decode_region.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+from benchmarks.generate import MODELS, PROMPT, _build, _hf_generate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _capture(name: str, fuse_attention: bool) -> tuple[Any, tuple, list[float], int]:
+    """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
+    seconds during one more generate of 33 tokens, its ONNX node count)."""
+    import fxpass.backends.bpu.compile as compile_mod
+    import fxpass.backends.bpu.host as host
+    from fxpass.backends.bpu import runtime as rt
+
+    real_passes, real_call, real_fuse = host._passes, rt.OrtExecutor.__call__, host.fuse_for_ort
+    counts: list[int] = []
+
+    def fuse(proto: Any) -> Any:
+        fused, found = real_fuse(proto)
+        counts.append(len(fused.graph.node))
+        return fused, found
+
+    if not fuse_attention:
+        host._passes = lambda: [p for p in real_passes() if p[0] != "attention"]
+    seen: list[Any] = []
+    calls: list[tuple[Any, float]] = []
+
+    def call(self: Any, *tensors: torch.Tensor) -> Any:
+        if self not in seen:
+            seen.append(self)
+        self.last_inputs = tensors
+        t0 = time.perf_counter()
+        out = real_call(self, *tensors)
+        calls.append((self, time.perf_counter() - t0))
+        return out
+
+    rt.OrtExecutor.__call__, compile_mod.fuse_for_ort = call, fuse
+    try:
+        model, ids = _build(name)
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.max_cache_len = PROMPT + 40
+        model.forward = torch.compile(
+            model.forward, backend="fxpass_bpu", dynamic=False, options={"cache": False}
+        )
+        run = _hf_generate(model, ids)
+        with contextlib.redirect_stderr(io.StringIO()):
+            run(33)  # compiles prefill and decode
+            calls.clear()
+            run(33)
+    finally:
+        host._passes = real_passes
+        rt.OrtExecutor.__call__, compile_mod.fuse_for_ort = real_call, real_fuse
+    decode = seen[-1]  # the decode graph compiles second
+    in_generate = [t for ex, t in calls if ex is decode]
+    return decode, decode.last_inputs, in_generate, counts[-1]
+
+
+def measure(name: str, repeats: int) -> dict[str, Any]:
+    from fxpass.backends.bpu import runtime as rt
+
+    fused, args, in_generate, fused_nodes = _capture(name, True)
+    plain, plain_args, _, plain_nodes = _capture(name, False)
+    call = rt.OrtExecutor.__call__
+    ab = harness.interleave(
+        {"fused": lambda: call(fused, *args), "unfused": lambda: call(plain, *plain_args)},
+        warmup=20, repeats=repeats, budget_s=30.0, min_sample_s=0.05,
+    )
+
+    def timed(before_call: Any, n: int = 60) -> float:
+        ts = []
+        for _ in range(n):
+            before_call()
+            t0 = time.perf_counter()
+            call(fused, *args)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3
+
+    x = torch.randn(512, 512)
+    placement = {
+        "tight_loop_ms": timed(lambda: None),
+        "after_2ms_idle_ms": timed(lambda: time.sleep(0.002)),
+        "after_torch_matmul_ms": timed(lambda: x @ x),
+        "inside_generate_ms": statistics.median(in_generate) * 1e3,
+    }
+    return {
+        "model": name,
+        "onnx_nodes": {"fused": fused_nodes, "unfused": plain_nodes},
+        "region_ms": {k: s.median * 1e3 for k, s in ab.items()},
+        "placement": placement,
+    }
+
+
+def to_markdown(r: dict[str, Any]) -> str:
+    rows = [
+        {"measure": "decode region ONNX nodes (fused / unfused)",
+         "value": f"{r['onnx_nodes']['fused']} / {r['onnx_nodes']['unfused']}"},
+        {"measure": "decode region ms alone, side by side (fused / unfused)",
+         "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['unfused']:.2f}"},
+        *({"measure": f"fused region ms, {k[:-3].replace('_', ' ')}", "value": f"{v:.2f}"}
+          for k, v in r["placement"].items()),
+    ]
+    return harness.markdown_table(rows, ["measure", "value"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-4x512", choices=list(MODELS))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    print(f"[decode_region] {args.model} ...", file=sys.stderr, flush=True)
+    result = {"env": harness.environment(), **measure(args.model, args.repeats)}
+    out = Path(args.out)
+    harness.write_json(out / "decode_region.json", result)
+    md = to_markdown(result)
+    (out / "decode_region.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
