@@ -6,7 +6,7 @@ attention an expand that repeats every KV head. On the host that is about 26 ONN
 layer, and the expand copies the whole KV cache once per query head group every step.
 onnxruntime has a CPU kernel for opset 23's ``Attention``, which does grouped-query attention
 natively, applies a boolean or additive mask, and gives 0 on fully masked rows. One node per
-layer plus its guard: on the Qwen3 4 x 512 decode region, 305 -> 229 ONNX nodes (see
+layer plus its guard: on the Qwen3 4 x 512 decode region, 305 -> 253 ONNX nodes (see
 ``docs/generation.md`` for the time). onnxscript's own attention fusions look for a
 different form (the rotary embedding and the KV-cache concat inside the pattern), so this one
 is ours.
