@@ -163,6 +163,24 @@ TERMINAL: dict[str, tuple[int, _Fn, bool]] = {
     "mm_vec": (1, lambda a, p, w: a[0] @ w[p], False),  # weight of shape (n,): drops a dim
 }
 OPS = {**SUPPORTED, **CPU, **TERMINAL}
+
+#: The terms each summing op adds up, summed over the last dim of what the function returns
+#: (float64 in, float64 out). If the positive terms, or the negative ones, add up past the
+#: dtype's maximum, *some* summation order overflows: which results are then finite depends on
+#: the kernel's order (eager's, onnxruntime's, the BPU's). ``fuzz_referee`` reads this.
+SUM_TERMS: dict[str, Callable[[list, Any, list], torch.Tensor]] = {
+    "mm": lambda a, p, w: (a[0].unsqueeze(-1) * w[p]).transpose(-1, -2),
+    "mm_vec": lambda a, p, w: a[0] * w[p],
+    "linear": lambda a, p, w: torch.cat(
+        [a[0].unsqueeze(-2) * w[p], w[p + 1].expand(*a[0].shape[:-1], -1).unsqueeze(-1)], -1),
+    "layer_norm": lambda a, p, w: torch.cat(
+        [a[0], (a[0] - a[0].mean(-1, keepdim=True)) ** 2], -1),
+    "mean_keep": lambda a, p, w: a[0],
+    "mean_last": lambda a, p, w: a[0],
+    "sum_keep": lambda a, p, w: a[0],
+    "cumsum": lambda a, p, w: a[0],
+    "sum_all": lambda a, p, w: a[0].reshape(-1),
+}
 _FLOAT_ONLY = {
     "mm", "linear", "sigmoid", "tanh", "silu", "gelu", "gelu_tanh", "hardswish", "hardtanh",
     "sqrt", "rsqrt", "pow", "softmax", "masked_softmax", "masked_fill", "layer_norm",

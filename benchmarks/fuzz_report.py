@@ -17,12 +17,13 @@ def markdown(r: dict[str, Any]) -> str:
             f"## {title}: all rules and fxpass_bpu vs eager", "",
             "| graphs | rules mismatches | rules crashes | backend mismatches | backend crashes "
             "| graphs offloaded | regions | region fallbacks | fp64 referee | eager inconsistent "
-            "| time |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| overflow order | ill-conditioned | time |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             f"| {p['tried']} | {p['rules_mismatch']} | {p['rules_crash']} | "
             f"{p['backend_mismatch']} | {p['backend_crash']} | {p['graphs_with_regions']} | "
             f"{p['regions']} | {p['fallbacks']} | {p['precision']} | "
-            f"{p.get('eager_inconsistent', 0)} | {p['seconds']:.0f} s |",
+            f"{p.get('eager_inconsistent', 0)} | {p.get('overflow_order', 0)} | "
+            f"{p.get('ill_conditioned', 0)} | {p['seconds']:.0f} s |",
             "", "Rewrites by rule: " + (", ".join(
                 f"{k} {v}" for k, v in sorted(p["rewrites"].items(), key=lambda kv: -kv[1]))
                 or "none"), "",
@@ -50,12 +51,19 @@ def markdown(r: dict[str, Any]) -> str:
         if o["fallback_reasons"]:
             lines += ["Region fallbacks (root cause, count):", ""]
             lines += [f"- {k} ({v})" for k, v in o["fallback_reasons"].items()] + [""]
-    findings = [f for part in ("programs", "kit", "opinfo") for f in (r.get(part) or {}).get(
-        "findings", []) if f["kind"] not in (
-        "fallback", "precision", "eager_inconsistent", "sdpa_kernels_disagree")]
+    apart = ("overflow_order", "ill_conditioned")
+    every = [f for part in ("programs", "kit", "opinfo")
+             for f in (r.get(part) or {}).get("findings", [])]
+    findings = [f for f in every if f["kind"] not in (
+        "fallback", "precision", "eager_inconsistent", "sdpa_kernels_disagree", *apart)]
     lines += ["## Findings", ""]
     lines += [f"- **{f['kind']}** `{f['case'][:300]}`: {_cause(f['message'])}"
               for f in findings[:40]] or ["none"]
+    undetermined = [f for f in every if f["kind"] in apart]
+    if undetermined:
+        lines += ["", "## Eager's answer not determined (counted apart, see fuzz_referee)", ""]
+        lines += [f"- **{f['kind']}** `{f['case'][:300]}`: {_cause(f['message'])}"
+                  for f in undetermined[:40]]
     return "\n".join(lines) + "\n"
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.fuzz_check import compare
+from benchmarks.fuzz_check import compare, equals_either
 from benchmarks.fuzz_programs import Program, ProgramModule, materialize, run
+from benchmarks.fuzz_referee import explain
 
 #: Findings kept in full per category (the counts are always complete).
 KEEP = 50
@@ -35,6 +36,8 @@ class Tally:
     backend_crash: int = 0
     precision: int = 0  # passed only by the fp64 referee
     eager_inconsistent: int = 0  # eager's own kernels disagree on this value (see below)
+    overflow_order: int = 0  # eager's answer depends on summation order (fuzz_referee)
+    ill_conditioned: int = 0  # eager's answer moves when the inputs move one ULP
     graphs_with_regions: int = 0
     regions: int = 0
     fallbacks: int = 0  # regions that failed to compile/run and ran eagerly (correct, slower)
@@ -102,6 +105,11 @@ def judge(expected: Any, got: Any, ref: Any, prog: Program | None, inputs: list,
         if inconsistent and compare(other, got, ref)[0] is None:
             t.eager_inconsistent += 1
             t.note("eager_inconsistent", prog, msg)
+            return None
+        why = explain(prog, inputs, weights, expected, got, ref)
+        if why is not None:
+            setattr(t, why, getattr(t, why) + 1)
+            t.note(why, prog, msg)
             return None
     return msg
 
@@ -187,7 +195,7 @@ def backend_path(fn: torch.nn.Module, inputs: list, expected: Any, ref: Any, cas
             t.note("fallback", case, traceback.format_exc()[-1500:])
     prog = case if isinstance(case, Program) else None
     msg = judge(expected, got, ref, prog, inputs, weights or [], t)
-    if msg and control is not None and judge(control, got, None, None, inputs, [], Tally()) is None:
+    if msg and control is not None and equals_either(expected, control, got, ref):
         t.eager_inconsistent += 1  # equals PyTorch's other kernel for the op (see fuzz_kit)
         t.note("sdpa_kernels_disagree", case, msg)
         msg = None
