@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from benchmarks.fuzz_check import equals_either
 from benchmarks.fuzz_programs import MODES, make_tensor
-from benchmarks.fuzz_run import Tally, backend_path, judge
+from benchmarks.fuzz_run import Tally, backend_path, judge, undetermined
 from fxpass.testing import VOCAB, T, aten_graphs, traced_graphs
 
 
@@ -120,7 +120,7 @@ def run_graph(gm: torch.fx.GraphModule, modes: list[tuple[str, int]], t: Tally, 
     case = _Case(original.code)
     control = math_control(original, inputs)
     backend_path(copy.deepcopy(original), inputs, expected, ref, case, t, options,
-                 control=control)
+                 control=control, graph=original)
 
 
 class _Case(str):
@@ -147,6 +147,7 @@ def _judge_sdpa(gm: torch.fx.GraphModule, expected: Any, got: Any, inputs: list,
             t.eager_inconsistent += 1
             t.note("sdpa_kernels_disagree", gm.code, msg)
             return None
+        return undetermined(gm, inputs, [], expected, got, ref, t, msg)
     return msg
 
 

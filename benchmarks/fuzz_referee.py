@@ -23,6 +23,9 @@ never folded into the passes. The guarantee they bound is stated in docs/failure
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,19 +72,17 @@ def overflowing_outputs(prog: Program, inputs: list, weights: list) -> set[int]:
     return {k for k, v in enumerate(prog.outputs) if tainted[v]}
 
 
-def unstable_elements(prog: Program, inputs: list, weights: list,
+def unstable_elements(case: Program | torch.fx.GraphModule, inputs: list, weights: list,
                       expected: Any) -> list[torch.Tensor] | None:
     """Per output, the elements of eager's result that move beyond the tolerance when every
-    float input moves one ULP (up, or down); None if the perturbed program does not run."""
-    from benchmarks.fuzz_programs import run
-
+    float input moves one ULP (up, or down); None if the perturbed case does not run."""
     moved: list[torch.Tensor] | None = None
     for direction in (torch.inf, -torch.inf):
         nudged = [torch.nextafter(t, torch.full_like(t, direction))
-                  if t.dtype.is_floating_point else t for t in inputs]
+                  if t.dtype.is_floating_point else t.clone() for t in inputs]
         try:
             with torch.no_grad():
-                outs = flat(run(prog, nudged, weights))
+                outs = flat(_run(case, nudged, weights))
         except Exception:  # noqa: BLE001 - no verdict
             return None
         masks = [unaccepted(e, o, None) for e, o in zip(flat(expected), outs, strict=True)]
@@ -89,8 +90,16 @@ def unstable_elements(prog: Program, inputs: list, weights: list,
     return moved
 
 
-def explain(prog: Program, inputs: list, weights: list, expected: Any, got: Any,
-            ref: Any) -> str | None:
+def _run(case: Program | torch.fx.GraphModule, inputs: list, weights: list) -> Any:
+    from benchmarks.fuzz_programs import run
+
+    if isinstance(case, Program):
+        return run(case, inputs, weights)
+    return copy.deepcopy(case)(*inputs)
+
+
+def explain(case: Program | torch.fx.GraphModule, inputs: list, weights: list, expected: Any,
+            got: Any, ref: Any) -> str | None:
     """``"overflow_order"`` or ``"ill_conditioned"`` if every element fxpass gets wrong is in
     an output (overflow) or at an element (conditioning) where eager's own answer is not
     determined; None otherwise (a real mismatch)."""
@@ -107,11 +116,102 @@ def explain(prog: Program, inputs: list, weights: list, expected: Any, got: Any,
             bad.append((i, m))
     if not bad:
         return None
-    over = overflowing_outputs(prog, inputs, weights)
+    over = (overflowing_outputs(case, inputs, weights) if isinstance(case, Program)
+            else graph_overflowing_outputs(case, inputs))
     left = [(i, m) for i, m in bad if i not in over]
     if not left:
         return "overflow_order"
-    moved = unstable_elements(prog, inputs, weights, expected)
+    moved = unstable_elements(case, inputs, weights, expected)
     if moved is not None and all(not bool((m & ~moved[i]).any()) for i, m in left):
         return "ill_conditioned" if len(left) == len(bad) else "overflow_order"
     return None
+
+
+aten = torch.ops.aten
+
+
+def _sdpa_terms(q: torch.Tensor, k: torch.Tensor, *rest: Any, scale: Any = None,
+                **_: Any) -> torch.Tensor:
+    """The products q_d * k_d * scale summed into each attention score (GQA heads repeated)."""
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return q.unsqueeze(-2) * k.unsqueeze(-3) * s
+
+
+def _mm_terms(a: torch.Tensor, b: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+    if a.dim() == 1 or b.dim() == 1:
+        return a * b if a.dim() == b.dim() == 1 else (
+            a.unsqueeze(-1) * b if a.dim() == 1 else a * b)
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).transpose(-1, -2)
+
+
+def _all_terms(x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+    return x.reshape(-1)  # conservative: every element could be one of the terms of a sum
+
+
+#: Graph-level counterpart of ``fuzz_programs.SUM_TERMS``: aten op -> the terms it sums.
+GRAPH_SUM_TERMS: dict[Any, Callable[..., torch.Tensor]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_terms,
+    aten._scaled_dot_product_attention_math.default: _sdpa_terms,
+    aten.scaled_dot_product_attention.default: _sdpa_terms,
+    aten.mm.default: _mm_terms, aten.bmm.default: _mm_terms, aten.matmul.default: _mm_terms,
+    aten.sum.default: _all_terms, aten.sum.dim_IntList: _all_terms,
+    aten.mean.default: _all_terms, aten.mean.dim: _all_terms,
+    aten._softmax.default: _all_terms, aten._safe_softmax.default: _all_terms,
+    aten._log_softmax.default: _all_terms, aten.logsumexp.default: _all_terms,
+}
+
+
+def graph_overflowing_outputs(gm: torch.fx.GraphModule, inputs: list) -> set[int]:
+    """:func:`overflowing_outputs` for a traced aten graph: each node is run eagerly and in
+    float64 (explicit casts in the graph still apply), and a node is tainted when its exact
+    value, or the terms it sums (``GRAPH_SUM_TERMS``), leave its eager dtype's range."""
+    eager = _node_values(gm, inputs)
+    exact = _node_values(gm, [_f64(t) for t in inputs])
+    tainted: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n not in eager or n not in exact:
+            continue
+        if any(a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+            continue
+        outs = [x for x in flat(eager[n]) if isinstance(x, torch.Tensor)]
+        exs = [x for x in flat(exact[n]) if isinstance(x, torch.Tensor)]
+        if not outs or len(outs) != len(exs) or not outs[0].dtype.is_floating_point:
+            continue
+        dtype = outs[0].dtype  # a tuple (SDPA's out, logsumexp): its first output's dtype
+        hit = any(x.dtype.is_floating_point and _beyond(x, dtype) for x in exs)
+        terms_of = GRAPH_SUM_TERMS.get(n.target)
+        if not hit and terms_of is not None:
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: exact.get(a))
+            try:
+                terms = terms_of(*args, **kwargs).double()
+            except Exception:  # noqa: BLE001 - no verdict for this node
+                terms = None
+            if terms is not None:
+                terms = terms.masked_fill(~torch.isfinite(terms), 0.0)
+                hit = _beyond(terms.clamp(min=0).sum(-1), dtype) or _beyond(
+                    terms.clamp(max=0).sum(-1), dtype)
+        if hit:
+            tainted.add(n)
+    outs = flat(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+    return {i for i, o in enumerate(outs) if o in tainted}
+
+
+def _node_values(gm: torch.fx.GraphModule, inputs: list) -> dict:
+    """Every node's value (tensor, or a tuple's items through getitem), or {} if it fails."""
+    values: dict = {}
+
+    class _Record(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            values[n] = out
+            return out
+
+    try:
+        with torch.no_grad():
+            _Record(gm).run(*[t.clone() for t in inputs])
+    except Exception:  # noqa: BLE001 - e.g. an op without a float64 kernel: no verdict
+        return {}
+    return values

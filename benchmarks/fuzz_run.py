@@ -106,12 +106,21 @@ def judge(expected: Any, got: Any, ref: Any, prog: Program | None, inputs: list,
             t.eager_inconsistent += 1
             t.note("eager_inconsistent", prog, msg)
             return None
-        why = explain(prog, inputs, weights, expected, got, ref)
-        if why is not None:
-            setattr(t, why, getattr(t, why) + 1)
-            t.note(why, prog, msg)
-            return None
+    if msg and prog is not None:
+        return undetermined(prog, inputs, weights, expected, got, ref, t, msg)
     return msg
+
+
+def undetermined(case: Program | torch.fx.GraphModule, inputs: list, weights: list,
+                 expected: Any, got: Any, ref: Any, t: Tally, msg: str) -> str | None:
+    """``msg``, or None when eager's own answer is not determined where fxpass differs
+    (:mod:`benchmarks.fuzz_referee`): counted apart and noted, not as a mismatch."""
+    why = explain(case, inputs, weights, expected, got, ref)
+    if why is None:
+        return msg
+    setattr(t, why, getattr(t, why) + 1)
+    t.note(why, case if isinstance(case, Program) else case.code, msg)
+    return None
 
 
 def trace(prog: Program, n_inputs: int, inputs: list, weights: list) -> torch.fx.GraphModule:
@@ -166,7 +175,7 @@ def rules_path(prog: Program, inputs: list, weights: list, expected: Any, ref: A
 
 def backend_path(fn: torch.nn.Module, inputs: list, expected: Any, ref: Any, case: Any,
                  t: Tally, options: dict, weights: list | None = None,
-                 control: Any = None) -> None:
+                 control: Any = None, graph: torch.fx.GraphModule | None = None) -> None:
     """The default (non-strict) compile is what is compared with eager; a region that fell
     back to eager is compiled again with ``strict=True`` to keep its cause as a finding."""
     import fxpass
@@ -199,6 +208,8 @@ def backend_path(fn: torch.nn.Module, inputs: list, expected: Any, ref: Any, cas
         t.eager_inconsistent += 1  # equals PyTorch's other kernel for the op (see fuzz_kit)
         t.note("sdpa_kernels_disagree", case, msg)
         msg = None
+    if msg and graph is not None:
+        msg = undetermined(graph, inputs, [], expected, got, ref, t, msg)
     if msg:
         t.backend_mismatch += 1
         t.note("backend_mismatch", case, msg)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.fuzz_check import equals_either
+from benchmarks.fuzz_check import equals_either, flat
 from benchmarks.fuzz_programs import Program, Step, run
-from benchmarks.fuzz_referee import explain, overflowing_outputs, unstable_elements
+from benchmarks.fuzz_referee import (
+    explain,
+    graph_overflowing_outputs,
+    overflowing_outputs,
+    unstable_elements,
+)
 
 
 def _prog(dtype: torch.dtype, shape: tuple, steps: list[Step], outputs: list[int],
@@ -80,3 +85,36 @@ def test_sdpa_control_is_element_wise() -> None:
     wrong = mixed.clone()
     wrong[0, 0, 1, 0] += 1.0  # a row both kernels agree on, answered wrongly
     assert not equals_either((flash,), (math_,), (wrong,))
+
+
+def _sdpa_graph() -> torch.fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        args = [torch.empty(1, 2, 3, 4) for _ in range(3)]
+        return make_fx(torch.nn.functional.scaled_dot_product_attention)(*args)
+
+
+def test_attention_scores_summing_past_the_range_are_order_dependent() -> None:
+    gm = _sdpa_graph()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
+    # scores of query 0, head 0: (3e38 + 3e38 - 3e38 + 3e38) * 0.5, whose positive terms
+    # alone pass float32's maximum
+    q[0, 0, 0] = torch.tensor([3e38, 3e38, -3e38, 3e38])
+    k[0, 0] = 1.0
+    (expected,) = flat(gm(q, k, v))
+    assert graph_overflowing_outputs(gm, [q, k, v]) == {0}
+    wrong = expected.clone()
+    wrong[0, 0, 0] = 0.0 if expected[0, 0, 0].isnan().all() else torch.nan
+    assert explain(gm, [q, k, v], [], (expected,), (wrong,), None) == "overflow_order"
+
+
+def test_wrong_attention_on_ordinary_inputs_is_not_excused() -> None:
+    gm = _sdpa_graph()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
+    (expected,) = flat(gm(q, k, v))
+    assert graph_overflowing_outputs(gm, [q, k, v]) == set()
+    assert explain(gm, [q, k, v], [], (expected,), (expected + 0.5,), None) is None
