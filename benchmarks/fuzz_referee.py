@@ -168,7 +168,7 @@ def graph_overflowing_outputs(gm: torch.fx.GraphModule, inputs: list) -> set[int
     float64 (explicit casts in the graph still apply), and a node is tainted when its exact
     value, or the terms it sums (``GRAPH_SUM_TERMS``), leave its eager dtype's range."""
     eager = _node_values(gm, inputs)
-    exact = _node_values(gm, [_f64(t) for t in inputs])
+    exact = _node_values(gm, [_f64(t) for t in inputs], exact=True)
     tainted: set[torch.fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function" or n not in eager or n not in exact:
@@ -199,13 +199,16 @@ def graph_overflowing_outputs(gm: torch.fx.GraphModule, inputs: list) -> set[int
     return {i for i, o in enumerate(outs) if o in tainted}
 
 
-def _node_values(gm: torch.fx.GraphModule, inputs: list) -> dict:
-    """Every node's value (tensor, or a tuple's items through getitem), or {} if it fails."""
+def _node_values(gm: torch.fx.GraphModule, inputs: list, exact: bool = False) -> dict:
+    """Every node's value, or {} if the graph does not run. ``exact``: every float value is
+    carried in float64, including constants the graph makes in its own dtype (a bf16 mask)."""
     values: dict = {}
 
     class _Record(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             out = super().run_node(n)
+            if exact:
+                out = torch.utils._pytree.tree_map(_f64, out)
             values[n] = out
             return out
 
