@@ -271,7 +271,9 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     cache = ArtifactCache(opts.get("cache_dir")) if opts["cache"] else None
     pkey = plan.key_for(gm, opts, rules, kind, cache)
     if pkey is not None:
-        out = plan.apply(cache, pkey, opts, report, functools.partial(_region_eager, gm, opts))
+        out = plan.apply(
+            cache, pkey, opts, report, functools.partial(_region_eager, gm, opts), gm
+        )
         if out is not None:
             STATS["plan_hit"] += 1
             return _finish(out, report, t0), report

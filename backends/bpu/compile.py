@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
+import torch
 
 from fxpass.backends.bpu import quantize as Q
-from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, region_key
+from fxpass.backends.bpu.cache import ArtifactCache, region_key
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
-from fxpass.backends.bpu.host import fuse_for_ort
+from fxpass.backends.bpu.host import fuse_for_ort, prepack_helps, shared_weights
 from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.lowering import lower_weightless, write_weights
 from fxpass.backends.bpu.region import RegionGraph
@@ -108,74 +109,74 @@ def _compile_ort(
     threads: int | None = None,
     fuse: bool = True,
 ) -> Compiled:
+    """The host executor: the region's model reads the model's own weights in place.
+
+    Linear weights lower as ``Gemm(transB=1)`` over the weight itself. Where onnxruntime
+    would not prepack (one row per GEMM: a decode step), every frozen weight is a graph input
+    fed from the caller's tensor (``host.shared_weights``), so neither the model, nor the
+    cache, nor onnxruntime holds a copy of it; only weight views (a bf16 weight cast to
+    float32) are written. The cache keeps the fused model (a few kilobytes then) and which
+    frozen weight each shared input is (``.host.json``); onnxruntime optimizes it on every
+    load, which takes less than reading the weights did."""
+    frozen = {src: getattr(rg.gm, c) for c, src in rg.sources.items()}
     if cache is not None:
-        hit = _cached_ort(cache, key, input_names, threads)
+        hit = _cached_ort(cache, key, input_names, threads, frozen)
         if hit is not None:
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
-    proto, weights = lower_weightless(rg.gm, name=name)
+    proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
     fusions: dict[str, int] = {}
     if fuse:
         proto, fusions = fuse_for_ort(proto)
+    prepack = prepack_helps(proto)
+    shared = shared_weights(proto, weights, {c: getattr(rg.gm, c) for c in rg.sources})
     data = write_weights(proto, weights).SerializeToString()
-    del proto  # the weights are in ``data`` now: one copy fewer while onnxruntime loads them
-    if cache is None:
-        ex = OrtExecutor(data, input_names, threads=threads)
-        return Compiled(ex, key, False, len(data), fusions)
-    # Let onnxruntime write its optimized model once; later processes load it unoptimized.
-    # onnxruntime reads the model from a file and writes the optimized one beside it, which is
-    # moved into the cache: neither is held in memory as bytes beside the session.
+    del proto  # the written weights are in ``data`` now: one copy fewer while loading
     size = len(data)
-    with _build_dir(cache) as tmp:
-        src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
-        try:
-            with open(src, "wb") as f:
-                f.write(data)
-        except OSError as e:  # a full disk costs the caching, never the offload
-            cache.warn_unwritable(e)
-            return Compiled(OrtExecutor(data, input_names, threads=threads), key, False, size,
-                            fusions)
+    meta = {"fusions": fusions, "shared": {n: rg.sources[n] for n in shared},
+            "prepack": prepack}
+    path = cache.put(key, ".host.onnx", data) if cache is not None else None
+    if path is not None:  # load from the file: the bytes need not live beside the session
         del data
-        try:
-            ex = OrtExecutor(src, input_names, threads=threads, optimized_path=opt)
-        except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
-            ex = OrtExecutor(src, input_names, threads=threads)  # a model error raises again
-            cache.warn_unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
-            return Compiled(ex, key, False, size, fusions)
-        # One entry, two files: a hit needs both. An unwritable cache (None, warned once)
-        # keeps the session in memory.
-        if cache.put_file(key, ".ort.onnx", opt) is not None:
-            cache.put(key, ".fusions.json", json.dumps(fusions).encode())
+        ex = OrtExecutor(str(path), input_names, threads=threads, shared=shared,
+                         prepack=prepack)
+        cache.put(key, ".host.json", json.dumps(meta).encode())
+    else:  # no cache, or an unwritable one (warned once): the session keeps the offload
+        ex = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=prepack)
     return Compiled(ex, key, False, size, fusions)
 
 
-def _build_dir(cache: ArtifactCache) -> tempfile.TemporaryDirectory:
-    """A scratch directory on the cache's filesystem (so the result is moved, not copied),
-    or the system's when the cache root cannot hold one. Stale ones (a killed process) are
-    swept by the cache's eviction."""
-    try:
-        cache.root.mkdir(parents=True, exist_ok=True)
-        return tempfile.TemporaryDirectory(dir=cache.root, prefix=BUILD_PREFIX)
-    except OSError:
-        return tempfile.TemporaryDirectory(prefix="fxpass-build-")
-
-
 def _cached_ort(
-    cache: ArtifactCache, key: str, input_names: list[str], threads: int | None
+    cache: ArtifactCache,
+    key: str,
+    input_names: list[str],
+    threads: int | None,
+    frozen: dict[str, torch.Tensor],
 ) -> Compiled | None:
-    """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager."""
-    hit = cache.get_path(key, ".ort.onnx")
-    info = cache.get(key, ".fusions.json")
+    """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager.
+
+    ``frozen`` maps the graph's frozen placeholders to their tensors; the entry names the ones
+    its shared initializers read (the key covers their digests, so they hold the same data)."""
+    hit = cache.get_path(key, ".host.onnx")
+    info = cache.get(key, ".host.json")
     if hit is None or info is None:
         return None
     path, size = hit
     try:
-        fusions = json.loads(info)
+        meta = json.loads(info)
+        fusions, names, prepack = meta["fusions"], meta["shared"], meta["prepack"]
         if not isinstance(fusions, dict) or not all(
             isinstance(k, str) and isinstance(v, int) for k, v in fusions.items()
         ):
             raise ValueError(f"fusions are not a {{name: count}} object: {fusions!r:.80}")
-        ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=True)
+        if not isinstance(names, dict) or not isinstance(prepack, bool):
+            raise ValueError(f"shared weights / prepack malformed: {names!r:.80}")
+        missing = [src for src in names.values() if src not in frozen]
+        if missing:  # another graph's weights: not this entry's (the key should not collide)
+            raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
+        shared = {init: frozen[src] for init, src in names.items()}
+        ex = OrtExecutor(str(path), input_names, threads=threads, shared=shared,
+                         prepack=prepack)
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         _warn_unloadable(path, e)
         return None

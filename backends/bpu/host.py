@@ -25,9 +25,11 @@ never goes through this module.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import onnx
+import torch
 
 # onnxscript's fusion rules are module-level objects whose matchers keep the current match on
 # the instance, so two threads fusing at once corrupt each other's bindings ("check() missing
@@ -84,3 +86,63 @@ def fuse_for_ort(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int
     # onnxruntime reads at most the IR version it was built for; keep the lowering's.
     fused.ir_version = min(fused.ir_version, proto.ir_version)
     return fused, {k: v for k, v in counts.items() if v}
+
+
+# ------------------------------------------------------------------ weights read in place
+#: Smaller weights are written into the model: sharing them saves nothing worth a feed.
+MIN_SHARED_BYTES = 64 * 1024
+#: Up to this many rows (tokens) per Gemm/MatMul, onnxruntime's weight prepacking is no
+#: faster (a decode step: 1 row) but costs a second copy of every weight and most of the
+#: session's load time; above it, prepacked GEMMs are up to 2x faster, so they keep it.
+PREPACK_MAX_ROWS = 1
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch.int32,
+                 torch.int8, torch.uint8, torch.bool)
+
+
+def shared_weights(
+    model: onnx.ModelProto, weights: dict, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Turn the weights onnxruntime can read in place into graph inputs, fed from the
+    model's own tensors on every run; take them out of ``weights`` (the lowering's to-write
+    list) and return name -> tensor. Nothing is shared where prepacking pays
+    (:func:`prepack_helps`): a prepacked weight is copied by onnxruntime anyway.
+
+    Why: writing a weight into the model copies it (into the protobuf, into the cache, then
+    into the session). A graph input that is a numpy view of the tensor is read where it
+    lies. (``add_external_initializers`` copies the data in onnxruntime 1.31, and
+    ``add_initializer`` needs a full-size placeholder in the model.) Only the model's frozen
+    weights as they are qualify (``tensors``: a region's buffers that hold a frozen
+    placeholder): contiguous CPU tensors of a numpy dtype. Transposed or cast views are new
+    data and stay written (``Gemm(transB=1)`` keeps Linear weights untransposed)."""
+    if prepack_helps(model):
+        return {}
+    shared = {}
+    for name in list(weights):
+        t = tensors.get(name)
+        if (t is not None and t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
+                and t.is_contiguous() and t.numel() * t.element_size() >= MIN_SHARED_BYTES):
+            shared[name] = t.detach()
+            del weights[name]
+    g = model.graph
+    inits = [i for i in g.initializer if i.name in shared]
+    for init in inits:
+        g.initializer.remove(init)
+        g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type,
+                                                          list(init.dims)))
+    return shared
+
+
+def prepack_helps(model: onnx.ModelProto) -> bool:
+    """Whether some Gemm/MatMul multiplies more than :data:`PREPACK_MAX_ROWS` rows by an
+    initializer (or its shape is unknown): then onnxruntime should prepack its weights."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    shapes = {vi.name: vi.type.tensor_type.shape for vi in [*g.input, *g.value_info, *g.output]}
+    for nd in g.node:
+        if nd.op_type not in ("Gemm", "MatMul") or len(nd.input) < 2 or nd.input[1] not in inits:
+            continue
+        shape = shapes.get(nd.input[0])
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in shape.dim] if shape else []
+        if not dims or 0 in dims or math.prod(dims[:-1]) > PREPACK_MAX_ROWS:
+            return True
+    return False

@@ -261,7 +261,9 @@ def region_entry(module: str, rid: int, name: str, c: Any, rg: Any, r: Any) -> d
     }
 
 
-def load(cache: Any, key: str, threads: int | None) -> tuple[dict, list[tuple[dict, Any]]] | None:
+def load(
+    cache: Any, key: str, threads: int | None, frozen: dict[str, torch.Tensor]
+) -> tuple[dict, list[tuple[dict, Any]]] | None:
     """The stored plan and each region's loaded artifact (``compile.Compiled``), or None.
 
     Any missing, evicted or unreadable part is a miss: the graph compiles cold and the plan is
@@ -278,7 +280,7 @@ def load(cache: Any, key: str, threads: int | None) -> tuple[dict, list[tuple[di
         plan["_consts"] = consts  # decode() loads them with weights_only=True
         loaded = []
         for r in plan["regions"]:
-            c = _cached_ort(cache, r["key"], r["input_names"], threads)
+            c = _cached_ort(cache, r["key"], r["input_names"], threads, frozen)
             if c is None:
                 return None
             loaded.append((r, c))
@@ -316,16 +318,20 @@ def apply(
     opts: dict,
     report: Any,
     rebuild: Callable[[int], GraphModule],
+    gm: GraphModule,
 ) -> GraphModule | None:
     """The spliced graph from a stored plan, its report filled in; None on a miss.
 
     ``rebuild(rid)`` returns region ``rid``'s eager graph; a region call uses it only if its
-    executor fails at run time.
+    executor fails at run time. ``gm`` is the captured graph: its frozen weights are what the
+    regions read in place.
     """
     from fxpass.backends.bpu.report import RegionReport
     from fxpass.backends.bpu.runtime import RegionCall
 
-    got = load(cache, key, opts.get("threads"))
+    frozen = {p.name: p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder")
+              if FROZEN in p.meta}
+    got = load(cache, key, opts.get("threads"), frozen)
     if got is None:
         return None
     plan, loaded = got

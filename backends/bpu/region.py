@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -27,6 +27,9 @@ class RegionGraph:
     inputs: list[Node]  # nodes of the main graph feeding the placeholders, in order
     outputs: list[Node]  # members of the region used outside it, in order
     members: list[Node]  # the region's nodes in the main graph, in graph order
+    #: get_attr buffer -> the main graph's frozen placeholder it holds (a model weight): the
+    #: host can read those in place (``host.shared_weights``), also on a plan hit
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def _is_const(i: Node) -> bool:
@@ -50,15 +53,18 @@ def extract(gm: GraphModule, region: Region) -> RegionGraph:
     for i in inputs:
         env[i] = g.placeholder(f"in_{i.name}")
         env[i].meta["val"] = i.meta["val"]
+    sources: dict[str, str] = {}
     for k, i in enumerate(c for c in external if _is_const(c)):
         root.register_buffer(f"c{k}", constant_value(i).detach(), persistent=False)
         env[i] = g.get_attr(f"c{k}")
         env[i].meta["val"] = i.meta["val"]
+        if i.op == "placeholder":
+            sources[f"c{k}"] = i.name
     for n in ordered:
         env[n] = g.node_copy(n, lambda x: env[x])
     outputs = [n for n in ordered if any(u not in members for u in n.users)]
     g.output(tuple(env[o] for o in outputs))
-    return RegionGraph(GraphModule(root, g), inputs, outputs, ordered)
+    return RegionGraph(GraphModule(root, g), inputs, outputs, ordered, sources)
 
 
 def splice(gm: GraphModule, regions: list[tuple[RegionGraph, torch.nn.Module]]) -> GraphModule:

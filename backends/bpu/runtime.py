@@ -33,12 +33,22 @@ class OrtExecutor:
         threads: int | None = None,
         optimized_path: str | None = None,
         preoptimized: bool = False,
+        shared: dict[str, torch.Tensor] | None = None,
+        prepack: bool = True,
     ):
+        """``shared``: weights that are graph inputs of ``model`` (``host.shared_weights``)
+        and the tensors that hold them, fed on every run as numpy views: onnxruntime reads
+        them in place, and this executor keeps them alive. ``prepack=False`` stops
+        onnxruntime from keeping a repacked copy of every GEMM weight."""
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
+        self.shared = dict(shared or {})
+        self._static = {name: t.numpy() for name, t in self.shared.items()}  # views
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
         if preoptimized:  # already optimized offline (cached): skip the optimizer
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         else:
@@ -55,6 +65,8 @@ class OrtExecutor:
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
+        if self._static:
+            feeds.update(self._static)
         outs = self.session.run(self.output_names, feeds)
         return tuple(_tensor(o) for o in outs)
 

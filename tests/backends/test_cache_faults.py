@@ -359,7 +359,7 @@ def test_size_bound_never_costs_the_entry_just_written(tmp_path, monkeypatch):
     m = _mlp(10)
     err, r = _compile(m, cache_dir=str(tmp_path))
     assert err < 1e-5 and r.regions[0].cached is False
-    err, r = _compile(m, cache_dir=str(tmp_path))  # .ort.onnx and .fusions.json both kept
+    err, r = _compile(m, cache_dir=str(tmp_path))  # .host.onnx and .host.json both kept
     assert err < 1e-5 and r.regions[0].cached is True
     err, r = _compile(_mlp(11), cache_dir=str(tmp_path))
     assert err < 1e-5
@@ -370,39 +370,21 @@ def test_size_bound_never_costs_the_entry_just_written(tmp_path, monkeypatch):
 
 
 def test_full_disk_while_writing_the_model_keeps_the_offload(tmp_path, monkeypatch):
-    """Host models are built in a scratch directory under the cache root. A full disk there
-    sent the region to eager (found in review); it now costs the caching only."""
-    real_open = open
+    """A full disk under the cache root sent the region to eager (found in review); it now
+    costs the caching only, and leaves no partial entry behind."""
+    real = cache_mod._atomic_write
 
-    def full(path, mode="r", *a, **k):
-        if str(path).endswith("model.onnx") and "w" in mode:
+    def full(path, *a, **k):
+        if str(path).endswith(".host.onnx"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(path, mode, *a, **k)
+        return real(path, *a, **k)
 
-    monkeypatch.setattr(compile_mod, "open", full, raising=False)
+    monkeypatch.setattr(cache_mod, "_atomic_write", full)
     monkeypatch.setattr(cache_mod, "_UNWRITABLE_WARNED", set())
     with pytest.warns(UserWarning, match="not writable.*No space left"):
         err, r = _compile(_mlp(3), cache_dir=str(tmp_path))
     assert err < 1e-5 and _offloaded(r)
-    assert not list(tmp_path.rglob(".build-*"))
-
-
-def test_onnxruntime_unable_to_write_its_optimized_model_keeps_the_offload(
-    tmp_path, monkeypatch
-):
-    real = compile_mod.OrtExecutor
-
-    def no_space(model, names, threads=None, optimized_path=None, preoptimized=False):
-        if optimized_path:
-            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Protobuf serialization failed")
-        return real(model, names, threads=threads, preoptimized=preoptimized)
-
-    monkeypatch.setattr(compile_mod, "OrtExecutor", no_space)
-    monkeypatch.setattr(cache_mod, "_UNWRITABLE_WARNED", set())
-    with pytest.warns(UserWarning, match="could not write its optimized model"):
-        err, r = _compile(_mlp(4), cache_dir=str(tmp_path))
-    assert err < 1e-5 and _offloaded(r)
-    assert not [p for p in _files(tmp_path) if p.name.endswith(".ort.onnx")]
+    assert not [p for p in _files(tmp_path) if ".host." in p.name]
 
 
 def test_stale_build_directories_are_swept(tmp_path):

@@ -28,6 +28,9 @@ from fxpass.backends.bpu.lowering.builder import (
     _val,
 )
 from fxpass.backends.bpu.lowering.table import OPS, Reasons
+from fxpass.graph import bind_args
+
+aten = torch.ops.aten
 
 
 def _fail(node: fx.Node, reason: str) -> LoweringError:
@@ -148,12 +151,74 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
     return write_weights(model, weights)
 
 
+_TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
+
+
+def _transposed_weight(v: Any) -> fx.Node | None:
+    """``W`` when ``v`` is a 2-D transpose (``t``, ``transpose``, ``permute``) of a float32
+    get_attr ``W``, else None."""
+    if not isinstance(v, fx.Node) or v.op != "call_function" or v.target not in _TRANSPOSES:
+        return None
+    w = v.args[0]
+    if not isinstance(w, fx.Node) or w.op != "get_attr":
+        return None
+    value = _fetch_attr(w)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype != torch.float32:
+        return None
+    if v.target is aten.permute.default and [d % 2 for d in v.args[1]] != [1, 0]:
+        return None
+    return w
+
+
+def _gemm_operand(n: fx.Node) -> fx.Node | None:
+    """The transpose view ``mm``/``addmm`` (alpha = beta = 1, float32) reads as its second
+    matrix, when it can run as ``Gemm(x, W, transB=1)`` over ``W`` itself."""
+    if n.op != "call_function" or n.target not in (aten.mm.default, aten.addmm.default):
+        return None
+    a = bind_args(n)
+    mat2 = a["mat2"]
+    if n.target is aten.addmm.default and (a["beta"] != 1 or a["alpha"] != 1):
+        return None
+    x = a["self"] if n.target is aten.mm.default else a["mat1"]
+    if not (isinstance(x, fx.Node) and _val(x).dtype == torch.float32):
+        return None
+    return mat2 if _transposed_weight(mat2) is not None else None
+
+
+def _gemm_views(live: set[fx.Node]) -> set[fx.Node]:
+    """Transpose views of weights whose every live reader is a Gemm-able matmul: lowered as
+    ``Gemm(transB=1)`` over the weight, never materialized."""
+    views: dict[fx.Node, bool] = {}
+    for n in live:
+        v = _gemm_operand(n)
+        if v is not None:
+            views.setdefault(v, True)
+    return {v for v in views if all(_gemm_operand(u) is v for u in v.users if u in live)}
+
+
+def _gemm_emitter(weights: dict[str, Weight]) -> Callable:
+    def emit(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
+        w = _add_weight(weights, _transposed_weight(a["mat2"]))
+        if n.target is aten.mm.default:
+            return b.op("Gemm", b.t(a["self"], torch.float32), w, transB=1)
+        prod = b.op("Gemm", b.t(a["mat1"], torch.float32), w, transB=1)
+        return b.op("Add", b.t(a["self"], torch.float32), prod)  # as _addmm: bias + product
+
+    return emit
+
+
 def lower_weightless(
-    gm: fx.GraphModule, name: str = "region", opset: int = 18
+    gm: fx.GraphModule, name: str = "region", opset: int = 18, gemm: bool = False
 ) -> tuple[onnx.ModelProto, Weights]:
     """:func:`lower`, with the weights' data left out: their initializers carry dtype and
     shape only, and :func:`write_weights` fills them in later. A caller that rewrites the model
-    first (host fusions) then handles kilobytes instead of every weight, twice."""
+    first (host fusions) then handles kilobytes instead of every weight, twice.
+
+    ``gemm=True`` (host regions) lowers ``mm(x, t(W))`` / ``addmm(b, x, t(W))`` over a float32
+    weight as ``Gemm(x, W, transB=1)``: the initializer is ``W`` itself, so it can be the
+    caller's own tensor (``host.shared_weights``) and no transposed copy is ever made. The
+    board path keeps ``MatMul`` over the transposed initializer, the standard form hbdk4 and
+    the quantizer expect."""
     if opset < 18:
         raise LoweringError(f"opset {opset} is too old: emitters use opset-18 forms; use >= 18")
     b, reasons = _Builder(), Reasons()
@@ -162,6 +227,8 @@ def lower_weightless(
     res = out_node.args[0]
     results = list(res) if isinstance(res, tuple | list) else [res]
     live = _live_nodes(results)
+    gemm_views = _gemm_views(live) if gemm else set()
+    gemm_emit = _gemm_emitter(weights)
     inputs = []
     for n in gm.graph.nodes:
         if n.op != "placeholder" and (n not in live or n.op == "output"):
@@ -173,6 +240,8 @@ def lower_weightless(
             inputs.append(_tensor_info(n.name, _val(n)))
             b.names[n] = n.name
         elif n.op == "get_attr" or reasons.weight_view(n):
+            if n in gemm_views:
+                continue  # read by Gemm(transB=1) as the weight itself
             if n.users and all(reasons.weight_view(u) for u in n.users if u in live):
                 continue  # inside a weight view: written once, at the chain's end
             add = _add_weight if n.op == "get_attr" else _add_view
@@ -182,6 +251,8 @@ def lower_weightless(
             b.names[n] = b.tuples[src][idx]
             if not b.names[n]:
                 raise _fail(n, f"element {idx} was not produced by the emitter of '{src.name}'")
+        elif gemm_views and _gemm_operand(n) in gemm_views:
+            b.emit(n, gemm_emit)
         else:
             b.emit(n, OPS[n.target].emit)
 

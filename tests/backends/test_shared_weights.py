@@ -1,0 +1,104 @@
+"""Host regions read the model's weights in place: no copy in the model, the cache or
+onnxruntime (issue 12, "no extra copy of the weights"), where onnxruntime would not prepack
+them anyway (one row per GEMM, a decode step)."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+import torch
+
+import fxpass
+from fxpass.backends.bpu import compile as compile_mod
+
+
+class _Recording(compile_mod.OrtExecutor):
+    made: list[_Recording] = []
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        _Recording.made.append(self)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64, bias=False)
+    ).eval()
+
+
+def _compile(m, x, tmp_path, monkeypatch):
+    _Recording.made = []
+    monkeypatch.setattr(compile_mod, "OrtExecutor", _Recording)
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False,
+                      options={"min_compute_macs": 0, "cache_dir": str(tmp_path)})
+    with torch.no_grad():
+        return c, c(x)
+
+
+def _entry(tmp_path) -> tuple[onnx.ModelProto, dict, int]:
+    (model,) = [p for p in tmp_path.rglob("*.host.onnx")]
+    (meta,) = [p for p in tmp_path.rglob("*.host.json")]
+    proto = onnx.load(str(model), load_external_data=False)
+    return proto, json.loads(meta.read_bytes()), model.stat().st_size
+
+
+def test_linear_weights_are_read_in_place_not_copied(tmp_path, monkeypatch):
+    m, x = _model(), torch.randn(1, 64)
+    _, out = _compile(m, x, tmp_path, monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)  # float32
+    (ex,) = _Recording.made
+    pinned = {t.data_ptr() for t in ex.shared.values()}
+    assert pinned == {m[0].weight.data_ptr(), m[2].weight.data_ptr()}
+    proto, meta, size = _entry(tmp_path)
+    gemms = [n for n in proto.graph.node if n.op_type == "Gemm"]
+    assert len(gemms) == 2 and all(
+        a.name == "transB" and a.i == 1 for n in gemms for a in n.attribute)
+    assert not [n for n in proto.graph.node if n.op_type == "Transpose"]
+    fed = {i.name for i in proto.graph.input if not i.name.startswith("in_")}
+    assert fed == set(meta["shared"]) and len(fed) == 2  # graph inputs, fed from the tensors
+    assert not fed & {i.name for i in proto.graph.initializer}
+    weight_bytes = sum(p.numel() * 4 for p in m.parameters())
+    assert size < weight_bytes / 50, "the cached model holds no weight data"
+
+
+def test_session_sees_the_weights_memory(tmp_path, monkeypatch):
+    """Proof that onnxruntime reads the tensor itself: a write through ``.data`` (which the
+    weight guard cannot see, and which a copy would miss) shows up in the region's result."""
+    m, x = _model(), torch.randn(1, 64)
+    c, _ = _compile(m, x, tmp_path, monkeypatch)
+    graphs = len(fxpass.compile_reports())
+    m[2].weight.data.mul_(-3.0)
+    with torch.no_grad():
+        out = c(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    assert len(fxpass.compile_reports()) == graphs, "no recompile: the same session read it"
+
+
+@pytest.mark.parametrize(("tokens", "prepack"), [(1, False), (16, True)])
+def test_prepacking_only_where_it_pays(tokens, prepack, tmp_path, monkeypatch):
+    """One row per GEMM (a decode step): prepacking is no faster and copies every weight."""
+    m, x = _model(), torch.randn(tokens, 64)
+    _, out = _compile(m, x, tmp_path, monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    assert _entry(tmp_path)[1]["prepack"] is prepack
+
+
+def test_cached_entry_reads_the_new_process_weights(tmp_path, monkeypatch):
+    """A hit binds the shared initializers to this graph's own weights (not the first
+    process's: it has none), and the answer is right."""
+    m, x = _model(), torch.randn(1, 64)
+    _compile(m, x, tmp_path, monkeypatch)
+    twin = _model()  # same values, other tensors: same key, a hit
+    _, out = _compile(twin, x, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is True
+    (ex,) = _Recording.made
+    assert {t.data_ptr() for t in ex.shared.values()} == {
+        twin[0].weight.data_ptr(), twin[2].weight.data_ptr()}
+    with torch.no_grad():
+        torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
