@@ -10,6 +10,9 @@ off. The decode region's model and one step's inputs are captured from a real ``
    in both). Reported: ONNX nodes of each (top level, as the session sees them) and the
    region's time on the captured inputs, the two sessions timed side by side
    (``harness.interleave``, medians).
+   **Weights in place, A/B.** A third compile writes every weight into the model (as before
+   issue 12) instead of feeding the parameters in place (``host.shared_weights``): the region
+   alone, and whole ``generate()`` calls (decode ms per token), side by side.
 2. **Where the region runs.** The fused region's executor timed in the same process: in a
    tight loop, after a 2 ms idle gap (a decode step's host work between two calls), right after
    a parallel torch op (a 512x512 matmul), and inside ``generate()`` (wrapped executor, median
@@ -37,14 +40,19 @@ from benchmarks.generate import MODELS, PROMPT, _build, _hf_generate
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _capture(name: str, fuse_attention: bool) -> tuple[Any, tuple, list[float], int]:
+def _capture(
+    name: str, fuse_attention: bool, share_weights: bool = True
+) -> tuple[Any, tuple, list[float], int, Any]:
     """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
-    seconds during one more generate of 33 tokens, its ONNX node count)."""
+    seconds during one more generate of 33 tokens, its ONNX node count, the generate run)."""
     import fxpass.backends.bpu.compile as compile_mod
     import fxpass.backends.bpu.host as host
     from fxpass.backends.bpu import runtime as rt
 
     real_passes, real_call, real_fuse = host._passes, rt.OrtExecutor.__call__, host.fuse_for_ort
+    real_min = host.MIN_SHARED_BYTES
+    if not share_weights:  # every weight written into the model, as before issue 12
+        host.MIN_SHARED_BYTES = 1 << 62
     counts: list[int] = []
 
     def fuse(proto: Any) -> Any:
@@ -80,23 +88,33 @@ def _capture(name: str, fuse_attention: bool) -> tuple[Any, tuple, list[float], 
             calls.clear()
             run(33)
     finally:
-        host._passes = real_passes
+        host._passes, host.MIN_SHARED_BYTES = real_passes, real_min
         rt.OrtExecutor.__call__, compile_mod.fuse_for_ort = real_call, real_fuse
     decode = seen[-1]  # the decode graph compiles second
     in_generate = [t for ex, t in calls if ex is decode]
-    return decode, decode.last_inputs, in_generate, counts[-1]
+    return decode, decode.last_inputs, in_generate, counts[-1], run
 
 
 def measure(name: str, repeats: int) -> dict[str, Any]:
     from fxpass.backends.bpu import runtime as rt
 
-    fused, args, in_generate, fused_nodes = _capture(name, True)
-    plain, plain_args, _, plain_nodes = _capture(name, False)
+    fused, args, in_generate, fused_nodes, gen = _capture(name, True)
+    plain, plain_args, _, plain_nodes, _ = _capture(name, False)
+    written, written_args, _, _, gen_written = _capture(name, True, share_weights=False)
     call = rt.OrtExecutor.__call__
     ab = harness.interleave(
-        {"fused": lambda: call(fused, *args), "unfused": lambda: call(plain, *plain_args)},
-        warmup=20, repeats=repeats, budget_s=30.0, min_sample_s=0.05,
+        {"fused": lambda: call(fused, *args), "unfused": lambda: call(plain, *plain_args),
+         "weights written": lambda: call(written, *written_args)},
+        warmup=20, repeats=repeats, budget_s=45.0, min_sample_s=0.05,
     )
+    steps = {}
+    for n in (1, 33):  # whole generate() calls, weights read in place vs written
+        st = harness.interleave(
+            {"in place": lambda n=n: gen(n), "written": lambda n=n: gen_written(n)},
+            warmup=2, repeats=3 * repeats, budget_s=90.0, min_repeats=repeats, settle_s=0.05,
+        )
+        steps[n] = {k: s.median for k, s in st.items()}
+    decode_ms = {k: (steps[33][k] - steps[1][k]) / 32 * 1e3 for k in steps[1]}
 
     def timed(before_call: Any, n: int = 60) -> float:
         ts = []
@@ -118,6 +136,8 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "model": name,
         "onnx_nodes": {"fused": fused_nodes, "unfused": plain_nodes},
         "region_ms": {k: s.median * 1e3 for k, s in ab.items()},
+        "shared_inputs": len(fused.shared),
+        "decode_ms_per_token": decode_ms,
         "placement": placement,
     }
 
@@ -128,6 +148,11 @@ def to_markdown(r: dict[str, Any]) -> str:
          "value": f"{r['onnx_nodes']['fused']} / {r['onnx_nodes']['unfused']}"},
         {"measure": "decode region ms alone, side by side (fused / unfused)",
          "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['unfused']:.2f}"},
+        {"measure": f"weights read in place ({r['shared_inputs']} inputs) / written: region ms",
+         "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['weights written']:.2f}"},
+        {"measure": "weights read in place / written: decode ms per token in generate()",
+         "value": f"{r['decode_ms_per_token']['in place']:.2f} / "
+                  f"{r['decode_ms_per_token']['written']:.2f}"},
         *({"measure": f"fused region ms, {k[:-3].replace('_', ' ')}", "value": f"{v:.2f}"}
           for k, v in r["placement"].items()),
     ]

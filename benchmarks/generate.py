@@ -346,15 +346,16 @@ def main(argv: list[str] | None = None) -> None:
     new_tokens = (32,) if args.quick else (32, 128)
     data: dict[str, Any] = {"env": harness.environment(), "runs": []}
     out = Path(args.out)
+    stem = "generate-quick" if args.quick else "generate"  # a quick run never replaces a full one
     for name in names:
         print(f"[generate] {name} ...", file=sys.stderr, flush=True)
         data["runs"].append(run_model(name, new_tokens, args.repeats))
         data["runs"][-1]["fxpass_step_breakdown"] = overhead(name)
         data["runs"][-1]["first_generate_fresh"] = first_generate(name, new_tokens[0])
-        harness.write_json(out / "generate.json", data)  # partial results survive a crash
+        harness.write_json(out / f"{stem}.json", data)  # partial results survive a crash
     md = to_markdown(data) + "\n\n" + breakdown_markdown(data) + "\n\n" + fresh_markdown(data)
-    (out / "generate.md").write_text(md + "\n")
-    _plot(data, out / "generate.png")
+    (out / f"{stem}.md").write_text(md + "\n")
+    _plot(data, out / f"{stem}.png")
     print(md)
 
 

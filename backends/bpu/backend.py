@@ -45,6 +45,10 @@ log = logging.getLogger("fxpass.bpu")
 #: onnxruntime call and 113 GMAC/s on this 2-core machine: break-even ~0.5M MACs.
 DEFAULT_MIN_MACS = {"hbdnn": 100_000_000, "onnxruntime": 500_000}
 MAX_REBUILDS = 2
+#: Compiled variants a graph keeps, one per set of weights (most recently used first): two
+#: instances of one model class share Dynamo's graph (parameters are graph inputs), and
+#: alternating between them must not rebuild on every call.
+MAX_VARIANTS = 4
 #: fxpass.compile_reports() keeps the most recent reports only (each holds a rewrite ledger).
 MAX_REPORTS = 256
 _WARNED: set[str] = set()
@@ -184,6 +188,9 @@ class GuardedGraph:
         self.opts = opts
         self.rebuilds = 0
         self.eager_only = False
+        #: weights signature -> (guard, compiled, report, the weights): holding the weights
+        #: keeps their memory from being reused by other tensors under the same signature
+        self.variants: dict[tuple, tuple[list, Callable, GraphReport, list]] = {}
         self.run = self._build(aot_gm)
 
     def _snapshot(self, gm: GraphModule) -> list[tuple[int, int, int, tuple, torch.dtype]]:
@@ -208,6 +215,10 @@ class GuardedGraph:
         self.guard = self._snapshot(gm)
         compiled, report = compile_graph(gm, self.opts)
         self.report = report
+        held = [p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder") if FROZEN in p.meta]
+        self.variants[tuple(self.guard)] = (self.guard, compiled, report, held)
+        while len(self.variants) > MAX_VARIANTS:
+            del self.variants[next(iter(self.variants))]  # least recently used
         return compiled
 
     def __call__(self, *args: Any) -> Any:
@@ -225,6 +236,15 @@ class GuardedGraph:
         return self.run(*args)
 
     def _weights_changed(self, k: int, args: tuple) -> Any:
+        sig = tuple(
+            (i, t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.dtype)
+            for i, t in ((i, args[i]) for i, *_ in self.guard)
+        )
+        hit = self.variants.pop(sig, None)
+        if hit is not None:  # weights compiled for before (another instance of the model)
+            self.variants[sig] = hit
+            self.guard, self.run, self.report, _ = hit
+            return self.run(*args)
         phs = self.pristine.graph.find_nodes(op="placeholder")
         if self.rebuilds >= MAX_REBUILDS or self.opts["strict"]:
             if self.opts["strict"]:

@@ -95,6 +95,33 @@ def test_weights_changed_after_compile_are_never_stale(opts):
         torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_alternating_model_instances_keep_their_compiled_variants(opts):
+    """Two instances of one class share Dynamo's graph (parameters are its inputs). Each set
+    of weights is compiled once and kept: alternating used to rebuild on every call and, after
+    two rebuilds, ran the graph eagerly for good."""
+    torch.manual_seed(0)
+    a, b = SideBranch().eval(), SideBranch().eval()
+    x = torch.randn(4, 16)
+    run = torch.compile(lambda m, x: m(x), backend="fxpass_bpu", dynamic=False, options=opts)
+    before = len(fxpass.compile_reports())
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for m in (a, b):
+                torch.testing.assert_close(run(m, x), m(x), rtol=1e-5, atol=1e-5)
+    messages = [str(w.message) for w in caught]
+    assert sum("changed after compile" in msg for msg in messages) == 1  # b, once
+    assert not any("keep changing" in msg for msg in messages)
+    assert len(fxpass.compile_reports()) - before == 2  # one compile per set of weights
+    a.a.weight.data.add_(1.0)  # through .data: not seen by the guard (documented) ...
+    with torch.no_grad():
+        a.a.weight.add_(0.5)  # ... but this is, and rebuilds a's variant only
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(run(a, x), a(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(run(b, x), b(x), rtol=1e-5, atol=1e-5)
+
+
 def test_generate_with_compiled_forward_matches_eager(opts):
     model, kwargs = zoo.get("qwen3", layers=1)
     ids = kwargs["input_ids"][:, :4]
