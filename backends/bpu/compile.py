@@ -28,7 +28,7 @@ import onnx
 import torch
 
 from fxpass.backends.bpu import quantize as Q
-from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, region_key
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.host import fuse_for_ort, prepack_helps, shared_weights
 from fxpass.backends.bpu.lower import lower
@@ -115,9 +115,8 @@ def _compile_ort(
     would not prepack (one row per GEMM: a decode step), every frozen weight is a graph input
     fed from the caller's tensor (``host.shared_weights``), so neither the model, nor the
     cache, nor onnxruntime holds a copy of it; only weight views (a bf16 weight cast to
-    float32) are written. The cache keeps the fused model (a few kilobytes then) and which
-    frozen weight each shared input is (``.host.json``); onnxruntime optimizes it on every
-    load, which takes less than reading the weights did."""
+    float32) are written. The cache keeps onnxruntime's optimized model (a few kilobytes
+    then) and which frozen weight each shared input is (``.host.json``)."""
     frozen = {src: getattr(rg.gm, c) for c, src in rg.sources.items()}
     if cache is not None:
         hit = _cached_ort(cache, key, input_names, threads, frozen)
@@ -135,15 +134,47 @@ def _compile_ort(
     size = len(data)
     meta = {"fusions": fusions, "shared": {n: rg.sources[n] for n in shared},
             "prepack": prepack}
-    path = cache.put(key, ".host.onnx", data) if cache is not None else None
-    if path is not None:  # load from the file: the bytes need not live beside the session
+
+    def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
+        return OrtExecutor(model, input_names, threads=threads, optimized_path=optimized_path,
+                           shared=shared, prepack=prepack)
+
+    if cache is None:
+        return Compiled(session(data), key, False, size, fusions)
+    # Let onnxruntime write its optimized model once; later processes load it unoptimized.
+    # It reads the model from a file and writes the optimized one beside it, which is moved
+    # into the cache: neither is held in memory as bytes beside the session.
+    with _build_dir(cache) as tmp:
+        src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
+        try:
+            with open(src, "wb") as f:
+                f.write(data)
+        except OSError as e:  # a full disk costs the caching, never the offload
+            cache.warn_unwritable(e)
+            return Compiled(session(data), key, False, size, fusions)
         del data
-        ex = OrtExecutor(str(path), input_names, threads=threads, shared=shared,
-                         prepack=prepack)
-        cache.put(key, ".host.json", json.dumps(meta).encode())
-    else:  # no cache, or an unwritable one (warned once): the session keeps the offload
-        ex = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=prepack)
+        try:
+            ex = session(src, optimized_path=opt)
+        except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
+            ex = session(src)  # a model error raises again
+            cache.warn_unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
+            return Compiled(ex, key, False, size, fusions)
+        # One entry, two files: a hit needs both. An unwritable cache (None, warned once)
+        # keeps the session in memory.
+        if cache.put_file(key, ".host.onnx", opt) is not None:
+            cache.put(key, ".host.json", json.dumps(meta).encode())
     return Compiled(ex, key, False, size, fusions)
+
+
+def _build_dir(cache: ArtifactCache) -> tempfile.TemporaryDirectory:
+    """A scratch directory on the cache's filesystem (so the result is moved, not copied),
+    or the system's when the cache root cannot hold one. Stale ones (a killed process) are
+    swept by the cache's eviction."""
+    try:
+        cache.root.mkdir(parents=True, exist_ok=True)
+        return tempfile.TemporaryDirectory(dir=cache.root, prefix=BUILD_PREFIX)
+    except OSError:
+        return tempfile.TemporaryDirectory(prefix="fxpass-build-")
 
 
 def _cached_ort(
@@ -175,8 +206,8 @@ def _cached_ort(
         if missing:  # another graph's weights: not this entry's (the key should not collide)
             raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
         shared = {init: frozen[src] for init, src in names.items()}
-        ex = OrtExecutor(str(path), input_names, threads=threads, shared=shared,
-                         prepack=prepack)
+        ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=True,
+                         shared=shared, prepack=prepack)
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         _warn_unloadable(path, e)
         return None

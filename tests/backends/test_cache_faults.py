@@ -387,6 +387,42 @@ def test_full_disk_while_writing_the_model_keeps_the_offload(tmp_path, monkeypat
     assert not [p for p in _files(tmp_path) if ".host." in p.name]
 
 
+def test_full_disk_in_the_build_directory_keeps_the_offload(tmp_path, monkeypatch):
+    """Host models are built in a scratch directory under the cache root. A full disk there
+    sent the region to eager (found in review); it now costs the caching only."""
+    real_open = open
+
+    def full(path, mode="r", *a, **k):
+        if str(path).endswith("model.onnx") and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(compile_mod, "open", full, raising=False)
+    monkeypatch.setattr(cache_mod, "_UNWRITABLE_WARNED", set())
+    with pytest.warns(UserWarning, match="not writable.*No space left"):
+        err, r = _compile(_mlp(3), cache_dir=str(tmp_path))
+    assert err < 1e-5 and _offloaded(r)
+    assert not list(tmp_path.rglob(".build-*"))
+
+
+def test_onnxruntime_unable_to_write_its_optimized_model_keeps_the_offload(
+    tmp_path, monkeypatch
+):
+    real = compile_mod.OrtExecutor
+
+    def no_space(model, names, optimized_path=None, **kw):
+        if optimized_path:
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Protobuf serialization failed")
+        return real(model, names, **kw)
+
+    monkeypatch.setattr(compile_mod, "OrtExecutor", no_space)
+    monkeypatch.setattr(cache_mod, "_UNWRITABLE_WARNED", set())
+    with pytest.warns(UserWarning, match="could not write its optimized model"):
+        err, r = _compile(_mlp(4), cache_dir=str(tmp_path))
+    assert err < 1e-5 and _offloaded(r)
+    assert not [p for p in _files(tmp_path) if p.name.endswith(".host.onnx")]
+
+
 def test_stale_build_directories_are_swept(tmp_path):
     """A process killed while building leaves its scratch directory (a whole model) behind."""
     c = ArtifactCache(tmp_path)
