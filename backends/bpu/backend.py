@@ -255,6 +255,7 @@ class GuardedGraph:
                 "fxpass_bpu: weights keep changing; this graph now runs eagerly", stacklevel=3
             )
             self.eager_only = True
+            self.variants.clear()  # never used again: release their sessions and weights
             return self.pristine(*args)
         self.rebuilds += 1
         warnings.warn(
@@ -265,6 +266,11 @@ class GuardedGraph:
         for p, t in zip(phs, args, strict=True):
             if FROZEN in p.meta:
                 p.meta[FROZEN] = t.detach()
+        # variants of these same tensors at older versions can never match again: drop them
+        # (and the session memory they hold) before building the new one
+        ptrs = [(i, ptr) for i, ptr, *_ in sig]
+        for old in [v for v in self.variants if [(i, ptr) for i, ptr, *_ in v] == ptrs]:
+            del self.variants[old]
         self.run = self._build(_clone(self.pristine))
         return self.run(*args)
 
