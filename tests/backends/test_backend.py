@@ -202,3 +202,25 @@ def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
             torch.compile(
                 m, backend="fxpass_bpu", options={**opts, "cache": False, "strict": True}
             )(x)
+
+
+def test_guard_keeps_one_variant_per_weights_and_evicts_stale_versions():
+    """GuardedGraph directly: a second set of weights adds a variant, switching back hits it,
+    and an in-place write replaces the variant of those same tensors (it can never match again)."""
+    from fxpass.backends.bpu.backend import GuardedGraph, validate_options
+    from fxpass.graph import FROZEN
+    from tests.conftest import trace
+
+    x, w1, w2 = torch.randn(4, 16), torch.randn(16, 16), torch.randn(16, 16)
+    gm = trace(lambda x, w: torch.relu(x @ w.t()), x, w1)
+    gm.graph.find_nodes(op="placeholder")[1].meta[FROZEN] = w1
+    g = GuardedGraph(gm, validate_options({"min_compute_macs": 0, "cache": False}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for w in (w1, w2, w1, w2):
+            torch.testing.assert_close(g(x, w), torch.relu(x @ w.t()), rtol=1e-5, atol=1e-5)
+        assert len(g.variants) == 2 and g.rebuilds == 1
+        w1.add_(1.0)
+        torch.testing.assert_close(g(x, w1), torch.relu(x @ w1.t()), rtol=1e-5, atol=1e-5)
+    assert len(g.variants) == 2 and g.rebuilds == 2  # w1's old version evicted, w2's kept
+    assert all(sig[0][2] == w1._version for sig in g.variants if sig[0][1] == w1.data_ptr())
