@@ -167,11 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     print(f"[decode_region] {args.model} ...", file=sys.stderr, flush=True)
     result = {"env": harness.environment(), **measure(args.model, args.repeats)}
-    out = Path(args.out)
-    harness.write_json(out / "decode_region.json", result)
-    md = to_markdown(result)
-    (out / "decode_region.md").write_text(md + "\n")
-    print(md)
+    harness.write_results(args.out, "decode_region", result, to_markdown(result))
 
 
 if __name__ == "__main__":

@@ -235,6 +235,15 @@ def write_json(path: str | Path, data: Any) -> Path:
     return p
 
 
+def write_results(out: str | Path, stem: str, data: Any, md: str) -> None:
+    """``out/stem.json`` and ``out/stem.md``, and the markdown printed: how every benchmark
+    leaves its results."""
+    out = Path(out)
+    write_json(out / f"{stem}.json", data)
+    (out / f"{stem}.md").write_text(md + "\n")
+    print(md)
+
+
 def _cell(v: Any) -> str:
     s = "" if v is None else str(v)
     return s.replace("|", "\\|").replace("\n", " ")

@@ -317,10 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     out = Path(args.out)
     data = run(args.quick, tuple(int(s) for s in args.sizes.split(",")), None, out / "scaling.json")
-    harness.write_json(out / "scaling.json", data)
-    md = to_markdown(data)
-    (out / "scaling.md").write_text(md + "\n")
-    print(md)
+    harness.write_results(out, "scaling", data, to_markdown(data))
 
 
 if __name__ == "__main__":

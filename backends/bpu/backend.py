@@ -193,14 +193,19 @@ class GuardedGraph:
         self.variants: dict[tuple, tuple[list, Callable, GraphReport, list]] = {}
         self.run = self._build(aot_gm)
 
-    def _snapshot(self, gm: GraphModule) -> list[tuple[int, int, int, tuple, torch.dtype]]:
-        snap = []
-        for k, p in enumerate(gm.graph.find_nodes(op="placeholder")):
-            t = p.meta.get(FROZEN)
-            if t is not None:
-                # inference-mode tensors have no version counter: pointer, shape, dtype only
-                ver = None if t.is_inference() else t._version
-                snap.append((k, t.data_ptr(), ver, tuple(t.shape), t.dtype))
+    @staticmethod
+    def _entry(k: int, t: torch.Tensor) -> tuple[int, int, int | None, tuple, torch.dtype]:
+        """What the guard compares for weight input ``k``; inference-mode tensors have no
+        version counter: pointer, shape and dtype only."""
+        return (k, t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape),
+                t.dtype)
+
+    def _snapshot(self, gm: GraphModule) -> list[tuple[int, int, int | None, tuple, torch.dtype]]:
+        snap = [
+            self._entry(k, p.meta[FROZEN])
+            for k, p in enumerate(gm.graph.find_nodes(op="placeholder"))
+            if p.meta.get(FROZEN) is not None
+        ]
         if any(v is None for _, _, v, _, _ in snap):
             _warn_once(
                 "inference",
@@ -236,10 +241,7 @@ class GuardedGraph:
         return self.run(*args)
 
     def _weights_changed(self, k: int, args: tuple) -> Any:
-        sig = tuple(
-            (i, t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.dtype)
-            for i, t in ((i, args[i]) for i, *_ in self.guard)
-        )
+        sig = tuple(self._entry(i, args[i]) for i, *_ in self.guard)
         hit = self.variants.pop(sig, None)
         if hit is not None:  # weights compiled for before (another instance of the model)
             self.variants[sig] = hit

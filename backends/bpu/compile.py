@@ -117,7 +117,8 @@ def _compile_ort(
     cache, nor onnxruntime holds a copy of it; only weight views (a bf16 weight cast to
     float32) are written. The cache keeps onnxruntime's optimized model (a few kilobytes
     then) and which frozen weight each shared input is (``.host.json``)."""
-    frozen = {src: getattr(rg.gm, c) for c, src in rg.sources.items()}
+    buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
+    frozen = {rg.sources[c]: t for c, t in buffers.items()}
     if cache is not None:
         hit = _cached_ort(cache, key, input_names, threads, frozen)
         if hit is not None:
@@ -128,7 +129,7 @@ def _compile_ort(
     if fuse:
         proto, fusions = fuse_for_ort(proto)
     prepack = prepack_helps(proto)
-    shared = shared_weights(proto, weights, {c: getattr(rg.gm, c) for c in rg.sources})
+    shared = {} if prepack else shared_weights(proto, weights, buffers)
     data = write_weights(proto, weights).SerializeToString()
     del proto  # the written weights are in ``data`` now: one copy fewer while loading
     size = len(data)

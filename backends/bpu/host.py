@@ -104,8 +104,8 @@ def shared_weights(
 ) -> dict[str, torch.Tensor]:
     """Turn the weights onnxruntime can read in place into graph inputs, fed from the
     model's own tensors on every run; take them out of ``weights`` (the lowering's to-write
-    list) and return name -> tensor. Nothing is shared where prepacking pays
-    (:func:`prepack_helps`): a prepacked weight is copied by onnxruntime anyway.
+    list) and return name -> tensor. Call it only where prepacking does not pay
+    (:func:`prepack_helps` is False): a prepacked weight is copied by onnxruntime anyway.
 
     Why: writing a weight into the model copies it (into the protobuf, into the cache, then
     into the session). A graph input that is a numpy view of the tensor is read where it
@@ -114,8 +114,6 @@ def shared_weights(
     weights as they are qualify (``tensors``: a region's buffers that hold a frozen
     placeholder): contiguous CPU tensors of a numpy dtype. Transposed or cast views are new
     data and stay written (``Gemm(transB=1)`` keeps Linear weights untransposed)."""
-    if prepack_helps(model):
-        return {}
     shared = {}
     for name in list(weights):
         t = tensors.get(name)

@@ -185,15 +185,12 @@ def _gemm_operand(n: fx.Node) -> fx.Node | None:
     return mat2 if _transposed_weight(mat2) is not None else None
 
 
-def _gemm_views(live: set[fx.Node]) -> set[fx.Node]:
-    """Transpose views of weights whose every live reader is a Gemm-able matmul: lowered as
-    ``Gemm(transB=1)`` over the weight, never materialized."""
-    views: dict[fx.Node, bool] = {}
-    for n in live:
-        v = _gemm_operand(n)
-        if v is not None:
-            views.setdefault(v, True)
-    return {v for v in views if all(_gemm_operand(u) is v for u in v.users if u in live)}
+def _gemm_nodes(live: set[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Matmul -> the transpose view it reads, for views whose every live reader is a Gemm-able
+    matmul: lowered as ``Gemm(transB=1)`` over the weight, the view never materialized."""
+    found = {n: v for n in live if (v := _gemm_operand(n)) is not None}
+    ok = {v for v in set(found.values()) if all(found.get(u) is v for u in v.users if u in live)}
+    return {n: v for n, v in found.items() if v in ok}
 
 
 def _gemm_emitter(weights: dict[str, Weight]) -> Callable:
@@ -227,7 +224,8 @@ def lower_weightless(
     res = out_node.args[0]
     results = list(res) if isinstance(res, tuple | list) else [res]
     live = _live_nodes(results)
-    gemm_views = _gemm_views(live) if gemm else set()
+    gemm_nodes = _gemm_nodes(live) if gemm else {}
+    gemm_views = set(gemm_nodes.values())
     gemm_emit = _gemm_emitter(weights)
     inputs = []
     for n in gm.graph.nodes:
@@ -251,7 +249,7 @@ def lower_weightless(
             b.names[n] = b.tuples[src][idx]
             if not b.names[n]:
                 raise _fail(n, f"element {idx} was not produced by the emitter of '{src.name}'")
-        elif gemm_views and _gemm_operand(n) in gemm_views:
+        elif n in gemm_nodes:
             b.emit(n, gemm_emit)
         else:
             b.emit(n, OPS[n.target].emit)
