@@ -10,11 +10,16 @@ from fxpass.rule import Rule
 from fxpass.rules.alias import alias_removal
 from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
 from fxpass.rules.constant_folding import constant_folding
+from fxpass.rules.constant_index import constant_index
 from fxpass.rules.cse import cse
+from fxpass.rules.functional_copy import functional_copy
+from fxpass.rules.index_put import index_put_to_copy
 from fxpass.rules.kv_cache import kv_cache_update
+from fxpass.rules.roll import roll_to_cat
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
 from fxpass.rules.sdpa import sdpa_decomposition
+from fxpass.rules.stack import stack_to_cat
 
 ALL = (
     alias_removal,
@@ -22,7 +27,12 @@ ALL = (
     sdpa_decomposition,
     scalar_overloads,
     constant_folding,
+    constant_index,
+    index_put_to_copy,
     kv_cache_update,
+    functional_copy,
+    roll_to_cat,
+    stack_to_cat,
     cse,
     bf16_promotion,
     bf16_cast_cancel,

@@ -24,10 +24,34 @@ def cast_to(node: Node) -> torch.dtype | None:
 
 
 def mutated(node: Node) -> bool:
-    """Whether anything writes to ``node``'s value (directly, through a user)."""
-    return any(u.op == "call_function" and writes(u.target) for u in node.users)
+    """Whether a user writes to ``node``'s value (as the written argument, not as a source:
+    ``copy_(cache, node)`` writes ``cache``)."""
+    return any(u.op == "call_function" and _writes_to(u, node) for u in node.users)
+
+
+def _writes_to(user: Node, node: Node) -> bool:
+    schema = getattr(user.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+            if v is node:
+                return True
+    return False
 
 
 def dtype_of(node: Any) -> torch.dtype | None:
     v = node.meta.get("val") if isinstance(node, Node) else None
     return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+_FRESH = (aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default)
+
+
+def literal(rw: Any, node: Any) -> torch.Tensor | None:
+    """The constant behind ``node``, through the copies a literal gets when traced
+    (``torch.tensor([..])`` becomes ``lift_fresh_copy(_tensor_constant)``)."""
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _FRESH:
+        node = node.args[0]
+    return rw.constant(node)
