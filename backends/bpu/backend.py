@@ -29,7 +29,7 @@ from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
 from fxpass.backends.bpu.cost import macs
-from fxpass.backends.bpu.generation import warn_if_growing
+from fxpass.backends.bpu.generation import warn_if_growing, warn_if_recompiling
 from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
@@ -283,16 +283,22 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     m = march(opts["march"])
     kind = resolve_executor(opts["executor"])
     report = GraphReport(graph=len(REPORTS), march=m.name, executor=kind)
-    if not all(is_static(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")):
+    # a symbolic int input (a cache counter) is host-side index arithmetic; a symbolic tensor
+    # shape is what the BPU cannot take
+    if not all(
+        is_static(v)
+        for p in gm.graph.find_nodes(op="placeholder")
+        if isinstance(v := p.meta.get("val"), torch.Tensor)
+    ):
         note = (
             "symbolic shapes: the BPU needs static shapes, so those nodes stay on the CPU; "
             "compile with torch.compile(..., dynamic=False)"
         )
         report.notes.append(note)
         warnings.warn(f"fxpass_bpu: {note}", stacklevel=2)
-    growing = warn_if_growing(gm)
-    if growing:
-        report.notes.append(growing)
+    for note in (warn_if_growing(gm), warn_if_recompiling()):
+        if note:
+            report.notes.append(note)
     rules = select_rules(
         target="bpu", enable=opts.get("enable"), disable=opts.get("disable"), only=opts.get("only")
     )

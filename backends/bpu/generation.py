@@ -10,11 +10,24 @@ graphs (prefill and decode), one region each.
 :func:`compile_for_generate` sets that up, with a fixed ``max_cache_len`` so calls with other
 ``max_new_tokens`` (up to the ceiling) reuse the same two graphs instead of recompiling.
 :func:`growing_state` recognises the dynamic-cache pattern so the backend can warn once.
+
+Sliding-window layers (Gemma 2/3, Mistral and Qwen2 with a window, Exaone 4, ...) keep a Python
+int counter in HF's static cache (``StaticSlidingWindowLayer.cumulative_length_int``). Under
+``dynamic=False`` Dynamo specializes that int, so every token was a new graph: the same silent
+recompile-then-eager path as the dynamic cache. :func:`compile_for_generate` traces with those
+counters symbolic (``torch.compiler.config.dynamic_sources``, set only around the compiled
+call): the counter stays a host-side integer input, the shapes stay static, and generation is
+one graph per cache regime (prefill, decode while the window fills, decode once it is full).
+:func:`warn_if_recompiling` names the cause and the fix when any frame recompiles on a Python
+int that changes every call.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,11 +44,20 @@ FIX = (
 )
 
 
+#: Python ints in HF caches that change every token (sources, as Dynamo names them, end so)
+STEP_COUNTERS = r".*\.cumulative_length_int$"
+
+
 class GrowingCacheWarning(UserWarning):
     """A graph returns state that grows every call (a dynamic KV cache): one compile per token."""
 
 
+class RecompileWarning(UserWarning):
+    """Dynamo recompiled a frame because a Python int changed: one compile per value."""
+
+
 _warned = False
+_recompiles: dict[str, int] = {}  # source -> recompiles it caused in this process
 
 
 def growing_state(gm: GraphModule) -> list[str]:
@@ -86,7 +108,77 @@ def compile_for_generate(
         )
     cfg.cache_implementation = "static"
     cfg.max_cache_len = max_cache_len
-    model.forward = torch.compile(
+    compiled = torch.compile(
         model.forward, backend="fxpass_bpu", dynamic=False, options=options or {}
     )
+    model.forward = _step_counters_symbolic(compiled)
     return model
+
+
+def _step_counters_symbolic(compiled: Callable) -> Callable:
+    """``compiled`` with HF's per-token cache counters traced as symbolic ints.
+
+    The config is read only while Dynamo traces, but a call may trace, so it is set around
+    every call (about 5 us) rather than for the whole process: other compiles keep their own
+    setting.
+    """
+    config = torch.compiler.config
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        old = config.dynamic_sources
+        config.dynamic_sources = f"{old},{STEP_COUNTERS}" if old else STEP_COUNTERS
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            config.dynamic_sources = old
+
+    return forward
+
+
+_INT_GUARD = re.compile(r"^\s*-?\s*(?:\d+/\d+:\s*)?(?P<src>\S+) == (?P<val>-?\d+)\b", re.M)
+
+
+def recompiled_int() -> str | None:
+    """The source of a Python int whose new value made Dynamo recompile the frame being
+    compiled now (``L['x'].n == 3`` in the guard failure), else None.
+
+    Reads Dynamo's metrics context (private, so any failure means "unknown"): a backend has
+    no public view of why it is being called again.
+    """
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception:  # noqa: BLE001 - a private API; unknown is the safe answer
+        return None
+    m = _INT_GUARD.search(reason) if isinstance(reason, str) else None
+    return m.group("src") if m else None
+
+
+def warn_if_recompiling() -> str | None:
+    """Warn once per source when a Python int has made Dynamo recompile a second time.
+
+    One recompile on an int is normal (prefill, then decode); a second on the same source is
+    a value that changes per call.
+    """
+    src = recompiled_int()
+    if src is None:
+        return None
+    _recompiles[src] = _recompiles.get(src, 0) + 1
+    if _recompiles[src] < 2:
+        return None
+    if re.match(STEP_COUNTERS, src):
+        fix = "compile with fxpass.backends.bpu.compile_for_generate(model, max_cache_len=N)"
+        what = "HF's sliding-window cache counts tokens in a Python int"
+    else:
+        fix = f'torch.compiler.config.dynamic_sources = "{src}" (or make it a tensor)'
+        what = "a Python int the graph reads changed"
+    note = (
+        f"Dynamo recompiled because {src} changed ({what}); with dynamic=False each new value "
+        f"is a new graph, and after torch._dynamo.config.recompile_limit the rest runs "
+        f"eagerly. Fix: {fix}"
+    )
+    if _recompiles[src] == 2:
+        warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=3)
+    return note

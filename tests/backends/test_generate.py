@@ -176,3 +176,51 @@ def test_printed_report_shows_rewrites_per_rule(opts):
     _generate(model, ids, n=2)
     text = str(_new_reports(before)[-1])
     assert "rewrites: " in text and "kv_cache_update x4" in text, text
+
+
+def _sliding(window: int = 8):
+    """Mistral with a sliding window: HF's static cache keeps a Python-int token counter."""
+    model, kw = zoo.get("mistral", layers=2, tokens=4, sliding_window=window)
+    return model, kw["input_ids"]
+
+
+def test_sliding_window_cache_is_one_graph_per_regime(opts):
+    from fxpass.backends.bpu.generation import RecompileWarning
+
+    model, ids = _sliding()
+    # 4 prompt tokens + 12 new cross the 8-slot window: the cache fills, then rolls
+    expected = _generate(model, ids, n=12, cache_implementation="static")
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = _generate(model, ids, n=12)
+        again = _generate(model, ids, n=12)  # the counter restarts: no new graph
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    reports = _new_reports(before)
+    # prefill, decode while the window fills, decode once it is full: not one per token
+    assert len(reports) == 3, [r.summary() for r in reports]
+    for r in reports:
+        assert len(r.regions) == 1 and r.regions[0].fallback is None, str(r)
+        assert r.mac_share == 1.0, str(r)
+        assert not any("symbolic shapes" in n for n in r.notes), r.notes
+    rolled = reports[-1].rewrites
+    assert rolled.get("roll_to_cat") == 2 * 2 and rolled.get("index_put_to_copy") == 2 * 2, rolled
+    assert not [x for x in w if issubclass(x.category, RecompileWarning)]
+
+
+def test_sliding_window_recompiles_warn_once_naming_the_fix(opts):
+    import fxpass.backends.bpu.generation as gen
+
+    model, ids = _sliding()
+    expected = _generate(model, ids, n=4, cache_implementation="static")
+    # the plain torch.compile path: the counter is specialized, one graph per token
+    model.forward = torch.compile(model.forward, backend="fxpass_bpu", dynamic=False, options=opts)
+    gen._recompiles.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = _generate(model, ids, n=4, cache_implementation="static")
+    assert torch.equal(got, expected)
+    warned = [str(x.message) for x in w if issubclass(x.category, gen.RecompileWarning)]
+    assert len(warned) == 1, warned
+    assert "cumulative_length_int" in warned[0] and "compile_for_generate" in warned[0]

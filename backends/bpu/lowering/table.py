@@ -336,6 +336,8 @@ class Reasons:
             return self._element(node)
         if self.weight_view(node):
             return self._view_reason(node)
+        if isinstance(_val(node), torch.SymInt | torch.SymBool | torch.SymFloat):
+            return "symbolic scalar arithmetic (host-side integer index arithmetic)"
         t, m = node.target, self.march
         op = OPS.get(t)
         if m is not None and (op is None or op.family not in m.families):
