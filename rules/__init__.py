@@ -11,8 +11,10 @@ from fxpass.rules.alias import alias_removal
 from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
 from fxpass.rules.constant_folding import constant_folding
 from fxpass.rules.constant_index import constant_index
+from fxpass.rules.constant_pad import constant_pad
 from fxpass.rules.cse import cse
 from fxpass.rules.functional_copy import functional_copy
+from fxpass.rules.group_norm import group_norm
 from fxpass.rules.index_put import index_put_to_copy
 from fxpass.rules.kv_cache import kv_cache_update
 from fxpass.rules.roll import roll_to_cat
@@ -20,6 +22,7 @@ from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
 from fxpass.rules.sdpa import sdpa_decomposition
 from fxpass.rules.stack import stack_to_cat
+from fxpass.rules.unbind import unbind_to_select
 
 ALL = (
     alias_removal,
@@ -33,6 +36,9 @@ ALL = (
     functional_copy,
     roll_to_cat,
     stack_to_cat,
+    unbind_to_select,
+    constant_pad,
+    group_norm,
     cse,
     bf16_promotion,
     bf16_cast_cancel,

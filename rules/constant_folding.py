@@ -29,6 +29,7 @@ import failure that takes the whole built-in rules plugin with it.
 
 from __future__ import annotations
 
+import operator
 from functools import cache
 from typing import Any
 
@@ -83,6 +84,8 @@ def _weight_view(n: Any) -> bool:
 
 @cache
 def _foldable(target: Any) -> bool:
+    if target is operator.getitem:  # an element of a folded tuple (weight norm's (w, norm))
+        return True
     if not isinstance(target, torch._ops.OpOverload) or target in _NEVER or writes(target):
         return False
     if "empty" in target._schema.name:  # uninitialized memory: empty, new_empty, empty_permuted

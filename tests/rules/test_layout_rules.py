@@ -1,0 +1,101 @@
+"""constant_pad, unbind_to_select, group_norm, and constant folding through a tuple: the ops
+that split MobileNetV2, Swin, ModernBERT and wav2vec2 into several regions."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from fxpass import PassManager
+from fxpass.rules import constant_folding, constant_pad, group_norm, unbind_to_select
+from fxpass.testing import T, check_rule, traced_graphs
+
+aten = torch.ops.aten
+
+
+@st.composite
+def _pad_cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.integers(1, 5)) for _ in range(rank))
+    k = draw(st.integers(1, rank))
+    # per padded dim (last first): growths, zero, and crops that keep at least one element
+    pad = []
+    for i in range(k):
+        n = shape[rank - 1 - i]
+        lo = draw(st.integers(-(n - 1), 3))
+        hi = draw(st.integers(-(n - 1 - max(-lo, 0)), 3))
+        pad += [lo, hi]
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.int64]))
+    value = draw(st.sampled_from([0, 1.5, -2])) if dtype.is_floating_point else draw(
+        st.sampled_from([0, 7]))
+    return [T(shape, dtype)], {"pad": pad, "value": value}
+
+
+def test_constant_pad_property():
+    # asymmetric ("SAME") pads, crops, several dims, a fill value
+    fired = check_rule(
+        constant_pad,
+        traced_graphs(lambda x, pad, value: aten.constant_pad_nd(x * 2, pad, value), _pad_cases()),
+        max_examples=60,
+    )
+    assert fired >= 40
+
+
+@st.composite
+def _unbind_cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    return [T(shape)], {"d": draw(st.integers(-rank, rank - 1))}
+
+
+def test_unbind_to_select_property():
+    fired = check_rule(
+        unbind_to_select,
+        traced_graphs(lambda x, d: [t * 2 for t in torch.unbind(x + 1, d)], _unbind_cases()),
+        max_examples=40,
+    )
+    assert fired >= 30
+
+
+@st.composite
+def _gn_cases(draw):
+    g = draw(st.integers(1, 3))
+    c = g * draw(st.integers(1, 3))
+    spatial = tuple(draw(st.integers(1, 4)) for _ in range(draw(st.integers(0, 2))))
+    n = draw(st.integers(1, 2))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    affine = draw(st.booleans())
+    specs = [T((n, c, *spatial), dtype)] + ([T((c,), dtype), T((c,), dtype)] if affine else [])
+    return specs, {"g": g}
+
+
+def _gn(x, *wb, g):
+    w, b = wb or (None, None)
+    n, c = x.shape[:2]
+    hw = x.numel() // (n * c)
+    out, mean, rstd = aten.native_group_norm(x, w, b, n, c, hw, g, 1e-5)
+    return out, mean, rstd
+
+
+def test_group_norm_property():
+    # the op's three outputs (normalized, mean, rstd), with and without the affine, bf16 too
+    fired = check_rule(group_norm, traced_graphs(_gn, _gn_cases()), max_examples=40,
+                       special_values=False)  # a NaN spreads over a group either way
+    assert fired >= 30
+
+
+def test_weight_norm_of_frozen_weights_folds_through_its_tuple():
+    # wav2vec2's positional conv: weight = g * v / ||v||, computed from frozen parameters
+    import fxpass
+
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1), dim=2)
+    x = torch.randn(1, 4, 8)
+    (gm,) = fxpass.capture(conv.eval(), x)
+    before = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert aten._weight_norm_interface.default in before
+    assert PassManager([constant_folding], check=True).run(gm).rewrites.get("constant_folding")
+    after = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert aten._weight_norm_interface.default not in after
+    with torch.no_grad():
+        (out,) = gm(*gm.meta["fxpass_example_inputs"])
+        torch.testing.assert_close(out, conv(x))
