@@ -1,16 +1,20 @@
-"""generate() through fxpass_bpu on every decoder family transformers ships that we can build.
+"""fxpass_bpu on every model family transformers ships that we can build: generate() and forward.
 
-    python -m benchmarks.architectures [--only Gemma2,Falcon] [--new-tokens 20]
+    python -m benchmarks.architectures [--only Gemma2,Falcon,ViT] [--new-tokens 20]
 
-Not a timing: the generation bars other than speed, on architectures no issue names. Each
-family is a real ``transformers`` ``*ForCausalLM`` from a tiny random config (2 layers, hidden
-64, a sliding window of 16 where the family has one), run in its own process (one bad family
-cannot take the others down). A 4-token prompt and 20 new tokens cross the window, so
-sliding-window caches reach their "full" regime.
+Not a timing: the correctness and partition bars on architectures no issue names. Each family
+is a real ``transformers`` model class from a tiny random config (2 layers, hidden 64), run in
+its own process (one bad family cannot take the others down).
 
-Per family: greedy tokens equal to eager's (static cache, fp32), Dynamo graphs, device regions
-per graph, what stays on the CPU beyond the embedding and integer index arithmetic, and which
-rules fired. Writes ``benchmarks/results/architectures.{json,md}``.
+- **Decoders** (``*ForCausalLM``, ``generate()``): a 4-token prompt and 20 new tokens, static
+  cache via ``compile_for_generate``; a sliding window of 16 where the family has one, so
+  sliding-window caches reach their "full" regime. Greedy tokens must equal eager's.
+- **Forward** (encoders, vision, audio, encoder-decoders): one ``torch.compile`` call, every
+  output compared with eager's (fp32: rtol 1e-3, atol 1e-4).
+
+Per family: the match, Dynamo graphs, device regions per graph, what stays on the CPU beyond
+the embedding and integer index arithmetic, and the fxpass warnings. Writes
+``benchmarks/results/architectures.{json,md}``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,61 @@ ALLOWED = ("embedding", "int64", "eq.Tensor", "index_select", "copy_", "cos", "s
            "symbolic scalar")
 CLASSES = {"Gemma3Text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
+_TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             intermediate_size=128, max_position_embeddings=128)
+_VISION = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=128)
+_SEQ2SEQ = dict(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                decoder_ffn_dim=128)
+#: family -> (config class, model class, config, inputs: "text" | "image" | "audio" | "seq2seq"
+#: | "whisper")
+FORWARD: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "Bert": ("BertConfig", "BertModel", _TEXT, "text"),
+    "Roberta": ("RobertaConfig", "RobertaModel", _TEXT, "text"),
+    "XLMRoberta": ("XLMRobertaConfig", "XLMRobertaModel", _TEXT, "text"),
+    "DistilBert": ("DistilBertConfig", "DistilBertModel",
+                   dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, hidden_dim=128), "text"),
+    "Albert": ("AlbertConfig", "AlbertModel", dict(_TEXT, embedding_size=32), "text"),
+    "Electra": ("ElectraConfig", "ElectraModel", dict(_TEXT, embedding_size=64), "text"),
+    "DebertaV2": ("DebertaV2Config", "DebertaV2Model", _TEXT, "text"),
+    "MPNet": ("MPNetConfig", "MPNetModel", _TEXT, "text"),
+    "ModernBert": ("ModernBertConfig", "ModernBertModel",
+                   dict(_TEXT, global_attn_every_n_layers=1, local_attention=16, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, sep_token_id=2, cls_token_id=1), "text"),
+    "CLIPText": ("CLIPTextConfig", "CLIPTextModel", dict(_TEXT, projection_dim=32), "text"),
+    "GPT2": ("GPT2Config", "GPT2Model",
+             dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128), "text"),
+    "ViT": ("ViTConfig", "ViTModel", _VISION, "image"),
+    "Deit": ("DeiTConfig", "DeiTModel", _VISION, "image"),
+    "Dinov2": ("Dinov2Config", "Dinov2Model", _VISION, "image"),
+    "Beit": ("BeitConfig", "BeitModel", dict(_VISION, vocab_size=512), "image"),
+    "CLIPVision": ("CLIPVisionConfig", "CLIPVisionModel", _VISION, "image"),
+    "SiglipVision": ("SiglipVisionConfig", "SiglipVisionModel", _VISION, "image"),
+    "Swin": ("SwinConfig", "SwinModel", dict(image_size=32, patch_size=4, embed_dim=16,
+             depths=[1, 1], num_heads=[2, 2], window_size=4), "image"),
+    "ConvNext": ("ConvNextConfig", "ConvNextModel",
+                 dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2), "image"),
+    "ResNet": ("ResNetConfig", "ResNetModel",
+               dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16), "image"),
+    "MobileNetV2": ("MobileNetV2Config", "MobileNetV2Model", dict(image_size=32), "image"),
+    "Segformer": ("SegformerConfig", "SegformerModel", dict(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]),
+        "image"),
+    "Wav2Vec2": ("Wav2Vec2Config", "Wav2Vec2Model", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4), "audio"),
+    "Whisper": ("WhisperConfig", "WhisperModel", dict(
+        _SEQ2SEQ, num_mel_bins=16, max_source_positions=32, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1), "whisper"),
+    "T5": ("T5Config", "T5Model",
+           dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+           "seq2seq"),
+    "Bart": ("BartConfig", "BartModel", dict(_SEQ2SEQ, max_position_embeddings=128), "seq2seq"),
+}
+
 
 def _build(family: str) -> tuple[Any, Any]:
     import torch
@@ -67,8 +126,81 @@ def _build(family: str) -> tuple[Any, Any]:
     return model, ids
 
 
+def _inputs(kind: str) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+
+    def ids(t: int) -> torch.Tensor:
+        return torch.randint(3, 500, (1, t), generator=g)
+
+    return {
+        "text": lambda: {"input_ids": ids(16)},
+        "image": lambda: {"pixel_values": torch.randn(1, 3, 32, 32, generator=g)},
+        "audio": lambda: {"input_values": torch.randn(1, 1600, generator=g)},
+        "seq2seq": lambda: {"input_ids": ids(16), "decoder_input_ids": ids(4)},
+        "whisper": lambda: {"input_features": torch.randn(1, 16, 64, generator=g),
+                            "decoder_input_ids": ids(4)},
+    }[kind]()
+
+
+def _flat(o: Any) -> list[Any]:
+    import torch
+
+    if isinstance(o, torch.Tensor):
+        return [o]
+    if hasattr(o, "to_tuple"):
+        o = o.to_tuple()
+    return [t for e in o for t in _flat(e)] if isinstance(o, tuple | list) else []
+
+
+def forward_one(family: str) -> dict[str, Any]:
+    """One forward family in this process: compile, compare every output with eager's."""
+    import torch
+    import transformers as tf
+
+    import fxpass
+
+    cfg_name, model_name, kw, kind = FORWARD[family]
+    cfg = getattr(tf, cfg_name)(**kw)
+    torch.manual_seed(0)
+    try:
+        cfg._attn_implementation = "sdpa"
+        model = getattr(tf, model_name)(cfg).eval()
+    except ValueError:  # the family has no SDPA attention: its default
+        cfg._attn_implementation = "eager"
+        model = getattr(tf, model_name)(cfg).eval()
+    x = _inputs(kind)
+    before = len(fxpass.compile_reports())
+    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ref = model(**x)
+        out = torch.compile(model, backend="fxpass_bpu", dynamic=False,
+                            options={"min_compute_macs": 0})(**x)
+    a, b = _flat(ref), _flat(out)
+    match = len(a) == len(b) and all(
+        torch.allclose(p, q, rtol=1e-3, atol=1e-4) for p, q in zip(a, b, strict=True))
+    return _summary(family, match, fxpass.compile_reports()[before:], w)
+
+
+def _summary(family: str, match: bool, reports: list[Any], w: list[Any]) -> dict[str, Any]:
+    cpu = sorted({why for r in reports for why in r.cpu_reasons
+                  if not any(a in why for a in ALLOWED)})
+    return {
+        "family": family,
+        "tokens_match": bool(match),
+        "graphs": len(reports),
+        "regions_per_graph": [len(r.regions) for r in reports],
+        "fallbacks": [x.fallback for r in reports for x in r.regions if x.fallback],
+        "other_cpu_ops": cpu,
+        "warnings": sorted({str(x.message)[:200] for x in w if "fxpass" in str(x.message)}),
+    }
+
+
 def one(family: str, new_tokens: int) -> dict[str, Any]:
     """Run one family in this process (the parent runs each in a child)."""
+    if family in FORWARD:
+        return forward_one(family)
     import torch
 
     import fxpass
@@ -88,22 +220,7 @@ def one(family: str, new_tokens: int) -> dict[str, Any]:
         warnings.simplefilter("always")
         got = gen()
     reports = fxpass.compile_reports()[before:]
-    cpu = sorted({why for r in reports for why in r.cpu_reasons
-                  if not any(a in why for a in ALLOWED)})
-    rewrites: dict[str, int] = {}
-    for r in reports:
-        for k, v in r.rewrites.items():
-            rewrites[k] = rewrites.get(k, 0) + v
-    return {
-        "family": family,
-        "tokens_match": bool(torch.equal(got, expected)),
-        "graphs": len(reports),
-        "regions_per_graph": [len(r.regions) for r in reports],
-        "fallbacks": [x.fallback for r in reports for x in r.regions if x.fallback],
-        "other_cpu_ops": cpu,
-        "rewrites": rewrites,
-        "warnings": sorted({str(x.message)[:200] for x in w if "fxpass" in str(x.message)}),
-    }
+    return _summary(family, torch.equal(got, expected), reports, w)
 
 
 def run(families: list[str], new_tokens: int) -> list[dict[str, Any]]:
@@ -126,22 +243,35 @@ def run(families: list[str], new_tokens: int) -> list[dict[str, Any]]:
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
+    gen = [r for r in rows if r["family"] not in FORWARD]
+    fwd = [r for r in rows if r["family"] in FORWARD]
+    parts = []
+    if gen:
+        parts.append("generate(), static cache, greedy fp32 (tokens equal eager's):\n\n"
+                     + _table(gen, "tokens = eager"))
+    if fwd:
+        parts.append("forward, fp32 (every output within rtol 1e-3, atol 1e-4 of eager's):\n\n"
+                     + _table(fwd, "outputs = eager"))
+    return "\n\n".join(parts)
+
+
+def _table(rows: list[dict[str, Any]], match: str) -> str:
     from benchmarks import harness
 
     table = []
     for r in rows:
         if "error" in r:
-            table.append({"family": r["family"], "tokens = eager": "error", "note": r["error"]})
+            table.append({"family": r["family"], match: "error", "note": r["error"]})
             continue
         table.append({
             "family": r["family"],
-            "tokens = eager": "yes" if r["tokens_match"] else "**NO**",
+            match: "yes" if r["tokens_match"] else "**NO**",
             "graphs": r["graphs"],
             "regions/graph": r["regions_per_graph"],
             "other CPU ops": "; ".join(r["other_cpu_ops"])[:160] or "-",
             "note": "; ".join(r["warnings"])[:160] or "",
         })
-    cols = ["family", "tokens = eager", "graphs", "regions/graph", "other CPU ops", "note"]
+    cols = ["family", match, "graphs", "regions/graph", "other CPU ops", "note"]
     return harness.markdown_table(table, cols)
 
 
@@ -157,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     from benchmarks import harness
 
-    families = [f for f in args.only.split(",") if f] or list(FAMILIES)
-    unknown = sorted(set(families) - set(FAMILIES))
+    known = [*FAMILIES, *FORWARD]
+    families = [f for f in args.only.split(",") if f] or known
+    unknown = sorted(set(families) - set(known))
     if unknown:
-        ap.error(f"unknown families {unknown}; choose from {sorted(FAMILIES)}")
+        ap.error(f"unknown families {unknown}; choose from {sorted(known)}")
     rows = run(families, args.new_tokens)
     data = {"env": harness.environment(), "new_tokens": args.new_tokens, "results": rows}
     harness.write_results(args.out, "architectures", data, to_markdown(rows))
