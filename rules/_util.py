@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fxpass.graph import writes  # noqa: F401 - re-exported for the rules
+from fxpass.graph import is_view, writes
 
 aten, prims = torch.ops.aten, torch.ops.prims
 #: The canonical dtype cast: ``_to_copy(x, dtype=d)`` with no other argument. A C++ op, so a
@@ -23,24 +23,6 @@ def cast_to(node: Node) -> torch.dtype | None:
     return node.kwargs.get("dtype") if set(node.kwargs) == {"dtype"} else None
 
 
-def mutated(node: Node) -> bool:
-    """Whether a user writes to ``node``'s value (as the written argument, not as a source:
-    ``copy_(cache, node)`` writes ``cache``)."""
-    return any(u.op == "call_function" and _writes_to(u, node) for u in node.users)
-
-
-def _writes_to(user: Node, node: Node) -> bool:
-    schema = getattr(user.target, "_schema", None)
-    if schema is None:
-        return False
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
-            if v is node:
-                return True
-    return False
-
-
 def dtype_of(node: Any) -> torch.dtype | None:
     v = node.meta.get("val") if isinstance(node, Node) else None
     return v.dtype if isinstance(v, torch.Tensor) else None
@@ -51,7 +33,20 @@ _FRESH = (aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default)
 
 def literal(rw: Any, node: Any) -> torch.Tensor | None:
     """The constant behind ``node``, through the copies a literal gets when traced
-    (``torch.tensor([..])`` becomes ``lift_fresh_copy(_tensor_constant)``)."""
+    (``torch.tensor([..])`` becomes ``lift_fresh_copy(_tensor_constant)``). None if one of
+    those copies is viewed or written (``c = torch.tensor([0, 2]); c[0] = 3``): its value is
+    then not the constant's."""
     while isinstance(node, Node) and node.op == "call_function" and node.target in _FRESH:
+        if any(u.op == "call_function" and (is_view(u.target) or writes(u.target))
+               for u in node.users):
+            return None
         node = node.args[0]
     return rw.constant(node)
+
+
+def fresh(rw: Any, node: Node, x: Any) -> Node:
+    """``x`` as a new tensor laid out as ``node``'s value: a rule that replaces an op which
+    returns a new tensor (roll, pad, index) must not return a view of its input (a later write
+    would reach the input), nor other strides (a later ``view`` was traced against them)."""
+    fmt = torch.contiguous_format if rw.val(node).is_contiguous() else torch.preserve_format
+    return rw.call(aten.clone.default, x, memory_format=fmt)

@@ -39,6 +39,13 @@ def _aliases(node):
     return seen
 
 
+def _base(node):
+    """The tensor whose storage ``node`` views (``s[0]`` of an input is the input's storage)."""
+    while node.op == "call_function" and is_view(node.target) and node.args:
+        node = node.args[0]
+    return node
+
+
 def _written(node) -> bool:
     users = (u for a in _aliases(node) for u in a.users)
     return any(u.op == "call_function" and writes(u.target) for u in users)
@@ -56,7 +63,7 @@ def alias_removal(node, rw):
             return rw.skip("clone changes the memory layout")
         if node.target in COPIES and (_written(node) or _written(src)):
             return rw.skip("a copy that something writes to (directly or through a view)")
-    if src.op in ("placeholder", "get_attr") and any(
+    if _base(src).op in ("placeholder", "get_attr") and any(
         u.op == "output" for a in _aliases(node) for u in a.users
     ):
         return rw.skip("would make a graph output alias a graph input")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fxpass import rule
-from fxpass.rules._util import aten, literal
+from fxpass.rules._util import aten, fresh, literal
 
 MAX_RUNS = 8
 
@@ -60,6 +60,6 @@ def constant_index(node, rw) -> bool:
     parts = [rw.call(aten.slice.Tensor, x, d, a, b) for a, b in runs]
     out = parts[0] if len(parts) == 1 else rw.call(aten.cat.default, parts, d)
     if len(parts) == 1:  # a slice is a view; index returns a new tensor
-        out = rw.call(aten.clone.default, out)
+        out = fresh(rw, node, out)
     rw.replace(node, out)
     return True

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fxpass import rule
-from fxpass.rules._util import aten
+from fxpass.rules._util import aten, fresh
 
 MAX_BLOCK = 1 << 20
 
@@ -31,7 +31,7 @@ def constant_pad(node, rw) -> bool:
     if not rw.static(x):
         return False
     v = rw.val(x)
-    shape, out = list(v.shape), x
+    shape, out, joined = list(v.shape), x, False
     # pad lists (before, after) pairs from the last dim backwards
     for i in range(len(pad) // 2):
         d = v.dim() - 1 - i
@@ -53,9 +53,9 @@ def constant_pad(node, rw) -> bool:
             parts.append((where, c))
         if parts:
             seq = [c for w, c in parts if w == 0] + [out] + [c for w, c in parts if w == 1]
-            out = rw.call(aten.cat.default, seq, d)
+            out, joined = rw.call(aten.cat.default, seq, d), True
             shape[d] += lo + hi
-    if out is x:  # all pads zero: a copy (constant_pad_nd never aliases its input)
-        out = rw.call(aten.clone.default, x)
+    if not joined:  # only zeros and crops: a copy (constant_pad_nd never returns a view)
+        out = fresh(rw, node, out)
     rw.replace(node, out)
     return True

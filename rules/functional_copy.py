@@ -5,9 +5,11 @@ whose value is ``src`` expanded to ``dst``'s shape in ``dst``'s dtype; ``dst``'s
 read. HF's full sliding-window cache does ``keys.copy_(rolled)`` in every layer, and the op is
 on no accelerator's operator list.
 
-Does not fire when: anything writes to the result or to ``src`` (the result would alias it); the
-result is a graph output and ``src`` a graph input (the caller would get its own input back);
-devices differ.
+The result is a ``clone`` (a new tensor, as ``copy``'s is): ``alias_removal`` drops it where no
+write and no graph output can tell the difference, with its alias checks.
+
+Does not fire when: devices differ; the destination is not contiguous (the result keeps its
+strides).
 """
 
 from __future__ import annotations
@@ -15,31 +17,26 @@ from __future__ import annotations
 import torch
 
 from fxpass import rule
-from fxpass.graph import same_layout
-from fxpass.rules._util import CAST, aten, mutated
+from fxpass.rules._util import CAST, aten
 
 
 @rule(aten.copy.default, name="functional_copy")
 def functional_copy(node, rw) -> bool:
-    """copy(dst, src) -> src, expanded and cast to dst's shape and dtype."""
+    """copy(dst, src) -> a copy of src, expanded and cast to dst's shape and dtype."""
     dst, src = node.args[:2]
     d, s = rw.val(dst), rw.val(src)
     if d.device != s.device:
         return rw.skip("a copy across devices")
-    if mutated(node) or mutated(src):
-        return rw.skip("something writes to the copy or its source")
+    if not d.is_contiguous():
+        return rw.skip("a non-contiguous destination (the result keeps its strides)")
     out = src
     if s.shape != d.shape:
         if not rw.static(dst, src):
             return False
-        # a contiguous copy of the broadcast, as copy's result is laid out like dst
         out = rw.call(aten.expand.default, out, list(d.shape))
-        out = rw.call(aten.clone.default, out, memory_format=torch.contiguous_format)
-    elif not same_layout(d, s):
-        return rw.skip("src is laid out unlike dst (a later view may need dst's strides)")
     if s.dtype != d.dtype:
         out = rw.call(CAST, out, dtype=d.dtype)
-    if out is src and src.op == "placeholder" and any(u.op == "output" for u in node.users):
-        return rw.skip("would make a graph output alias a graph input")
-    rw.replace(node, out)
+    # a new tensor, as copy's result is: alias_removal drops the clone where no write and no
+    # graph output can tell the difference
+    rw.replace(node, rw.call(aten.clone.default, out, memory_format=torch.contiguous_format))
     return True

@@ -45,6 +45,10 @@ def group_norm(node, rw) -> bool:
     x, w, b, n, c, _hw, g, eps = node.args
     if not rw.static(x):
         return False
+    if rw.val(x).numel() == 0:
+        return rw.skip("an empty input")
+    if any(t is not None and rw.val(t).dtype != rw.val(x).dtype for t in (w, b)):
+        return rw.skip("weight or bias of another dtype than the input (aten promotes them)")
     users = list(node.users)
     if any(u.target is not operator.getitem for u in users):
         return rw.skip("a user takes the whole tuple, not one element")

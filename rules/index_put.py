@@ -58,4 +58,4 @@ def index_put_to_copy(node, rw) -> bool:
 def _wrap(idx: torch.Tensor, n: int) -> torch.Tensor:
     """Negative positions counted from the end, as index_put reads them (out of range stays
     out of range, so index_copy raises as index_put does)."""
-    return torch.where(idx < 0, idx + n, idx)
+    return torch.where(idx < 0, idx + n, idx).long()  # index_copy takes int64 only

@@ -5,7 +5,7 @@ HF's static sliding-window cache rolls every layer's keys and values by one on e
 once the window is full, which split the decode region per layer.
 
 Exact: both forms move the same elements. Several dims roll one after another; ``roll`` with no
-dims rolls the flattened tensor, so it becomes view(-1), the same split, and a view back.
+dims rolls the flattened tensor, so it becomes reshape(-1), the same split, and a view back.
 
 Does not fire when: shapes are symbolic (the split point must be a number).
 """
@@ -13,7 +13,7 @@ Does not fire when: shapes are symbolic (the split point must be a number).
 from __future__ import annotations
 
 from fxpass import rule
-from fxpass.rules._util import aten
+from fxpass.rules._util import aten, fresh
 
 
 @rule(aten.roll.default, name="roll_to_cat")
@@ -27,7 +27,7 @@ def roll_to_cat(node, rw) -> bool:
     shape = list(rw.val(x).shape)
     out, moved = x, False
     if not dims:  # flattened roll
-        out, dims, shape = rw.call(aten.view.default, x, [-1]), [0], [rw.val(x).numel()]
+        out, dims, shape = rw.call(aten.reshape.default, x, [-1]), [0], [rw.val(x).numel()]
     if len(shifts) != len(dims):
         return rw.skip("shifts and dims differ in length")
     for s, d in zip(shifts, dims, strict=True):
@@ -40,7 +40,7 @@ def roll_to_cat(node, rw) -> bool:
         head = rw.call(aten.slice.Tensor, out, d, 0, n - k)
         out, moved = rw.call(aten.cat.default, [tail, head], d), True
     if not moved:  # every shift a multiple of its dim: a copy (roll never aliases its input)
-        out = rw.call(aten.clone.default, x)
+        out = fresh(rw, node, x)
     elif len(shape) == 1 and rw.val(x).dim() != 1:
         out = rw.call(aten.view.default, out, list(rw.val(x).shape))
     rw.replace(node, out)

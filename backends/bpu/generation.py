@@ -57,7 +57,7 @@ class RecompileWarning(UserWarning):
 
 
 _warned = False
-_recompiles: dict[str, int] = {}  # source -> recompiles it caused in this process
+_recompiles: dict[tuple[str, str], int] = {}  # (frame, source) -> recompiles it caused
 
 
 def growing_state(gm: GraphModule) -> list[str]:
@@ -136,12 +136,16 @@ def _step_counters_symbolic(compiled: Callable) -> Callable:
     return forward
 
 
-_INT_GUARD = re.compile(r"^\s*-?\s*(?:\d+/\d+:\s*)?(?P<src>\S+) == (?P<val>-?\d+)\b", re.M)
+#: "0/1: c.n == 3  # ..." in Dynamo's guard failure: frame 0, an int-valued source (no calls:
+#: not len(...) or .size()), an int (not 0.5)
+_INT_GUARD = re.compile(
+    r"^\s*-?\s*(?P<frame>\d+)/\d+:\s*(?P<src>[^\s()]+) == (?P<val>-?\d+)(?=\s*(?:#|$))", re.M
+)
 
 
-def recompiled_int() -> str | None:
-    """The source of a Python int whose new value made Dynamo recompile the frame being
-    compiled now (``L['x'].n == 3`` in the guard failure), else None.
+def recompiled_int() -> tuple[str, str] | None:
+    """(frame id, source) of a Python int whose new value made Dynamo recompile the frame
+    being compiled now (``0/1: c.n == 3`` in the guard failure), else None.
 
     Reads Dynamo's metrics context (private, so any failure means "unknown"): a backend has
     no public view of why it is being called again.
@@ -153,7 +157,7 @@ def recompiled_int() -> str | None:
     except Exception:  # noqa: BLE001 - a private API; unknown is the safe answer
         return None
     m = _INT_GUARD.search(reason) if isinstance(reason, str) else None
-    return m.group("src") if m else None
+    return (m.group("frame"), m.group("src")) if m else None
 
 
 def warn_if_recompiling() -> str | None:
@@ -162,23 +166,26 @@ def warn_if_recompiling() -> str | None:
     One recompile on an int is normal (prefill, then decode); a second on the same source is
     a value that changes per call.
     """
-    src = recompiled_int()
-    if src is None:
+    found = recompiled_int()
+    if found is None:
         return None
-    _recompiles[src] = _recompiles.get(src, 0) + 1
-    if _recompiles[src] < 2:
+    _recompiles[found] = _recompiles.get(found, 0) + 1
+    if _recompiles[found] < 2:
         return None
+    src = found[1]
     if re.match(STEP_COUNTERS, src):
         fix = "compile with fxpass.backends.bpu.compile_for_generate(model, max_cache_len=N)"
         what = "HF's sliding-window cache counts tokens in a Python int"
     else:
-        fix = f'torch.compiler.config.dynamic_sources = "{src}" (or make it a tensor)'
+        tail = re.escape(src.rsplit(".", 1)[-1])
+        fix = (f'mark it dynamic, e.g. torch.compiler.config.dynamic_sources = r".*\\.{tail}$" '
+               "(a regex over Dynamo's source names), or hold it in a tensor")
         what = "a Python int the graph reads changed"
     note = (
         f"Dynamo recompiled because {src} changed ({what}); with dynamic=False each new value "
         f"is a new graph, and after torch._dynamo.config.recompile_limit the rest runs "
         f"eagerly. Fix: {fix}"
     )
-    if _recompiles[src] == 2:
+    if _recompiles[found] == 2:
         warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=3)
     return note
