@@ -1,0 +1,27 @@
+"""Families no issue named, through the benchmark's own runner (``benchmarks.architectures``):
+each needed a rule this round, and each must stay one region per graph with eager's results."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.architectures import one
+
+
+@pytest.mark.parametrize(
+    "family, new_tokens, graphs",
+    [
+        ("Falcon", 6, 2),       # constant_index: qkv[..., [-2]]
+        ("Cohere", 6, 2),       # stack_to_cat: interleaved rotary
+        ("Gemma3Text", 20, 3),  # sliding window: symbolic counter, then roll/index_put/copy
+        ("MobileNetV2", 0, 1),  # constant_pad: TF-style padding (forward)
+        ("ModernBert", 0, 1),   # unbind_to_select (forward)
+        ("Wav2Vec2", 0, 1),     # group_norm, weight norm folded through getitem (forward)
+    ],
+)
+def test_family_is_one_region_per_graph_and_matches_eager(family, new_tokens, graphs):
+    r = one(family, new_tokens)
+    assert r["tokens_match"], r
+    assert r["graphs"] == graphs, r
+    assert r["regions_per_graph"] == [1] * graphs, r
+    assert not r["fallbacks"] and not r["other_cpu_ops"], r
