@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from fxpass.rule import Rule
 from fxpass.rules.alias import alias_removal
+from fxpass.rules.as_strided import as_strided_view
 from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
+from fxpass.rules.clamp import clamp_to_hardtanh
 from fxpass.rules.constant_folding import constant_folding
 from fxpass.rules.constant_index import constant_index
 from fxpass.rules.constant_pad import constant_pad
 from fxpass.rules.cse import cse
+from fxpass.rules.erf_gelu import erf_gelu, erf_gelu_scaled
 from fxpass.rules.functional_copy import functional_copy
 from fxpass.rules.group_norm import group_norm
 from fxpass.rules.index_put import index_put_to_copy
 from fxpass.rules.kv_cache import kv_cache_update
+from fxpass.rules.reductions import sum_to_mean, vector_norm
 from fxpass.rules.roll import roll_to_cat
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
@@ -39,6 +43,12 @@ ALL = (
     unbind_to_select,
     constant_pad,
     group_norm,
+    vector_norm,
+    sum_to_mean,
+    clamp_to_hardtanh,
+    as_strided_view,
+    erf_gelu,
+    erf_gelu_scaled,
     cse,
     bf16_promotion,
     bf16_cast_cancel,

@@ -99,3 +99,40 @@ def test_weight_norm_of_frozen_weights_folds_through_its_tuple():
     with torch.no_grad():
         (out,) = gm(*gm.meta["fxpass_example_inputs"])
         torch.testing.assert_close(out, conv(x))
+
+
+@st.composite
+def _restride_cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.sampled_from([1, 1, 2, 3])) for _ in range(rank))
+    # strides that differ from the contiguous ones only where the size is 1
+    contiguous = torch.empty(shape).stride()
+    stride = [draw(st.integers(1, 40)) if n == 1 else s
+              for n, s in zip(shape, contiguous, strict=True)]
+    return [T(shape)], {"stride": stride}
+
+
+def test_as_strided_view_property():
+    from fxpass.rules import as_strided_view
+
+    fired = check_rule(
+        as_strided_view,
+        traced_graphs(lambda x, stride: torch.as_strided(x * 2, x.shape, stride) + 1,
+                      _restride_cases()),
+        max_examples=40,
+    )
+    assert fired >= 30
+
+
+def test_as_strided_view_leaves_real_restrides_alone():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxpass.rules import as_strided_view
+
+    for fn in (lambda x: torch.as_strided(x, (2, 2), (1, 2)),      # a transpose
+               lambda x: torch.as_strided(x, (2,), (1,), 1),        # an offset
+               lambda x: torch.as_strided(x, (3,), (1,))):          # a new shape
+        with FakeTensorMode() as mode:
+            gm = make_fx(fn)(mode.from_tensor(torch.empty(2, 2)))
+        assert not PassManager([as_strided_view], check=True).run(gm).rewrites
