@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -33,15 +34,33 @@ _FRESH = (aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default)
 
 def literal(rw: Any, node: Any) -> torch.Tensor | None:
     """The constant behind ``node``, through the copies a literal gets when traced
-    (``torch.tensor([..])`` becomes ``lift_fresh_copy(_tensor_constant)``). None if one of
-    those copies is viewed or written (``c = torch.tensor([0, 2]); c[0] = 3``): its value is
-    then not the constant's."""
-    while isinstance(node, Node) and node.op == "call_function" and node.target in _FRESH:
-        if any(u.op == "call_function" and (is_view(u.target) or writes(u.target))
-               for u in node.users):
-            return None
-        node = node.args[0]
-    return rw.constant(node)
+    (``torch.tensor([..])`` becomes ``lift_fresh_copy(_tensor_constant)``) and the views taken
+    of it (``rows[:, None]``, evaluated on the constant). None if one of those is written or
+    viewed elsewhere (``c = torch.tensor([0, 2]); c[0] = 3``): its value is then not the
+    constant's."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return rw.constant(node)
+    fresh_copy = node.target in _FRESH
+    if not fresh_copy and not is_view(node.target):
+        return rw.constant(node)
+    if _written_through(node):
+        return None
+    base = literal(rw, node.args[0]) if node.args else None
+    if base is None or fresh_copy:
+        return base
+    with contextlib.suppress(Exception):  # a view that does not apply: not a literal
+        return node.target(base, *node.args[1:], **node.kwargs)
+    return None
+
+
+def _written_through(node: Node) -> bool:
+    """Whether something writes to ``node``, directly or through a view of it."""
+    for u in node.users:
+        if u.op != "call_function":
+            continue
+        if writes(u.target) or (is_view(u.target) and _written_through(u)):
+            return True
+    return False
 
 
 def fresh(rw: Any, node: Node, x: Any) -> Node:

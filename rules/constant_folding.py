@@ -63,6 +63,7 @@ _INDEXING = frozenset(
     {
         aten.embedding.default,
         aten.index.Tensor,
+        aten._unsafe_index.Tensor,
         aten.index_select.default,
         aten.gather.default,
         aten.select.int,
