@@ -118,9 +118,9 @@ def compile_for_generate(
 def _step_counters_symbolic(compiled: Callable) -> Callable:
     """``compiled`` with HF's per-token cache counters traced as symbolic ints.
 
-    The config is read only while Dynamo traces, but a call may trace, so it is set around
-    every call (about 5 us) rather than for the whole process: other compiles keep their own
-    setting.
+    The config is read only while Dynamo traces, but any call may trace, so it is set around
+    every call (two attribute writes) rather than for the whole process: other compiles keep
+    their own setting.
     """
     config = torch.compiler.config
 

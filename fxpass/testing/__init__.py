@@ -9,7 +9,16 @@ from .check import (
     check_rule,
     random_inputs,
 )
-from .strategies import DEFAULT_OPS, VOCAB, Op, T, aten_graphs, pattern_graphs, traced_graphs
+from .strategies import (
+    DEFAULT_OPS,
+    VOCAB,
+    Op,
+    T,
+    aten_graphs,
+    pattern_graphs,
+    trace,
+    traced_graphs,
+)
 
 __all__ = [
     "DEFAULT_EXAMPLES",
@@ -25,5 +34,6 @@ __all__ = [
     "check_rule",
     "pattern_graphs",
     "random_inputs",
+    "trace",
     "traced_graphs",
 ]

@@ -287,19 +287,25 @@ class T:
     dtype: torch.dtype = torch.float32
 
 
+def trace(fn: Callable[..., Any], *examples: torch.Tensor) -> GraphModule:
+    """``fn``'s aten graph, traced with make_fx on fake copies of ``examples`` under one fake
+    mode (what the rewriter needs: ``make_fx`` on real tensors gives each node its own mode).
+    Only the examples' shapes, dtypes and strides matter. For a one-off graph in a rule test."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode() as mode:
+        return make_fx(fn, pre_dispatch=False)(*[mode.from_tensor(e) for e in examples])
+
+
 @st.composite
 def traced_graphs(draw: Any, fn: Callable[..., Any], inputs: st.SearchStrategy) -> GraphModule:
-    """Trace ``fn(*tensors, **params)`` with make_fx on fake tensors.
+    """Trace ``fn(*tensors, **params)`` with :func:`trace` on fake tensors.
 
     ``inputs`` draws ``(specs, params)``: a list of :class:`T` and a dict of non-tensor
     parameters (closed over, so they become constants of the graph).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     specs, params = draw(inputs)
-    mode = FakeTensorMode()
-    with mode:
-        fakes = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
-        gm = make_fx(lambda *xs: fn(*xs, **params), pre_dispatch=False)(*fakes)
+    examples = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
+    gm = trace(lambda *xs: fn(*xs, **params), *examples)
     return _shown(gm, f"params={params!r}")

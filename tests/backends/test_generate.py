@@ -190,10 +190,14 @@ def test_sliding_window_cache_is_one_graph_per_regime(opts):
     model, ids = _sliding()
     # 4 prompt tokens + 12 new cross the 8-slot window: the cache fills, then rolls
     expected = _generate(model, ids, n=12, cache_implementation="static")
+    short = _generate(model, ids, n=3, cache_implementation="static")
     before = len(fxpass.compile_reports())
     compile_for_generate(model, max_cache_len=32, options=opts)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
+        # 4 + 3 tokens fit the window: prefill and one decode graph
+        assert torch.equal(_generate(model, ids, n=3), short)
+        assert len(_new_reports(before)) == 2
         got = _generate(model, ids, n=12)
         again = _generate(model, ids, n=12)  # the counter restarts: no new graph
     assert torch.equal(got, expected) and torch.equal(again, expected)

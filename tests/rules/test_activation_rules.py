@@ -17,7 +17,7 @@ from fxpass.rules import (
     sum_to_mean,
     vector_norm,
 )
-from fxpass.testing import T, check_rule, traced_graphs
+from fxpass.testing import T, check_rule, trace, traced_graphs
 
 aten = torch.ops.aten
 
@@ -52,12 +52,6 @@ def test_vector_norm_property():
     assert fired >= 40
 
 
-def _trace(fn, *examples):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode() as mode:
-        return make_fx(fn)(*[mode.from_tensor(e) for e in examples])
 
 
 @pytest.mark.parametrize(
@@ -71,7 +65,7 @@ def _trace(fn, *examples):
     ],
 )
 def test_reductions_left_alone(why, fn, x):
-    gm = _trace(fn, x)
+    gm = trace(fn, x)
     assert not PassManager([sum_to_mean, vector_norm], check=True).run(gm).rewrites, why
 
 
@@ -103,9 +97,9 @@ def test_clamp_to_hardtanh_property():
 
 
 def test_clamp_left_alone_on_integers_and_tensor_bounds():
-    gm = _trace(lambda x: x.clamp(0, 3), torch.empty(3, dtype=torch.int64))
+    gm = trace(lambda x: x.clamp(0, 3), torch.empty(3, dtype=torch.int64))
     assert not PassManager([clamp_to_hardtanh], check=True).run(gm).rewrites
-    gm = _trace(lambda x, b: x.clamp(b), torch.empty(3), torch.empty(3))
+    gm = trace(lambda x, b: x.clamp(b), torch.empty(3), torch.empty(3))
     assert not PassManager([clamp_to_hardtanh], check=True).run(gm).rewrites
 
 
@@ -137,7 +131,7 @@ def test_erf_gelu_property():
 
 @pytest.mark.parametrize("fn", SPELLINGS)
 def test_erf_gelu_finds_the_spellings_and_matches_gelu(fn):
-    gm = _trace(lambda x: fn(x + 1), torch.empty(4, 8))
+    gm = trace(lambda x: fn(x + 1), torch.empty(4, 8))
     rewrites = PassManager([erf_gelu, erf_gelu_scaled], check=True).run(gm).rewrites
     assert sum(rewrites.values()) == 1, rewrites
     assert any(n.target is aten.gelu.default for n in gm.graph.nodes)
@@ -146,12 +140,12 @@ def test_erf_gelu_finds_the_spellings_and_matches_gelu(fn):
 
 
 def test_erf_gelu_leaves_other_constants_alone():
-    gm = _trace(lambda x: x * 0.5 * (1.0 + torch.erf(x / 2.0)), torch.empty(4))
+    gm = trace(lambda x: x * 0.5 * (1.0 + torch.erf(x / 2.0)), torch.empty(4))
     assert not PassManager([erf_gelu, erf_gelu_scaled], check=True).run(gm).rewrites
 
 
 def test_erf_gelu_stays_out_of_reports_of_graphs_without_erf():
     # every mul(add, w) would otherwise be a near miss in the report (the demo's Qwen3 had 20)
-    gm = _trace(lambda x, w: (x + 1) * w * 0.5, torch.empty(4), torch.empty(4))
+    gm = trace(lambda x, w: (x + 1) * w * 0.5, torch.empty(4), torch.empty(4))
     report = PassManager([erf_gelu, erf_gelu_scaled], check=True).run(gm)
     assert not report.rewrites and not report.skips, report.skips

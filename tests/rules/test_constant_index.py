@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from fxpass import PassManager
 from fxpass.rules import constant_index
-from fxpass.testing import T, check_rule, traced_graphs
+from fxpass.testing import T, check_rule, trace, traced_graphs
 
 aten = torch.ops.aten
 
@@ -34,12 +34,6 @@ def test_constant_index_property():
     assert fired >= 40
 
 
-def _trace(fn, *fakes):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode() as mode:
-        return make_fx(fn)(*[mode.from_tensor(f) for f in fakes])
 
 
 def _fired(gm) -> int:
@@ -59,11 +53,11 @@ def _fired(gm) -> int:
     ],
 )
 def test_left_alone(why, fn, fakes):
-    assert _fired(_trace(fn, *fakes)) == 0, why
+    assert _fired(trace(fn, *fakes)) == 0, why
 
 
 def test_single_slice_result_is_a_copy_not_a_view():
-    gm = _trace(lambda x: x[torch.tensor([1, 2])], torch.empty(4))
+    gm = trace(lambda x: x[torch.tensor([1, 2])], torch.empty(4))
     assert _fired(gm) == 1
     x = torch.arange(4.0)
     out = gm(x)
@@ -105,7 +99,7 @@ def test_outer_product_gathers_property():
 
 def test_an_index_that_is_not_an_outer_product_is_left_alone():
     # rows and cols both vary along the same axis: a diagonal, not a grid
-    gm = _trace(lambda x: x[:, torch.tensor([0, 1]), torch.tensor([1, 0])],
+    gm = trace(lambda x: x[:, torch.tensor([0, 1]), torch.tensor([1, 0])],
                 torch.empty(1, 2, 2))
     assert _fired(gm) == 0
 

@@ -18,16 +18,11 @@ from fxpass.rules import (
     kv_cache_update,
     roll_to_cat,
 )
+from fxpass.testing import trace
 
 aten = torch.ops.aten
 
 
-def _trace(fn, *examples):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode() as mode:
-        return make_fx(fn)(*[mode.from_tensor(e) for e in examples])
 
 
 def _flat(x):
@@ -37,7 +32,7 @@ def _flat(x):
 def _same_as_eager(fn, rules, *inputs):
     """Rewrite fn's graph with ``rules``; outputs equal eager's, none aliases an input.
     Returns the rewrites made."""
-    gm = _trace(fn, *inputs)
+    gm = trace(fn, *inputs)
     report = PassManager(rules, check=True).run(gm)
     expected = _flat(fn(*[i.clone() for i in inputs]))
     got = _flat(gm(*[i.clone() for i in inputs]))
@@ -105,10 +100,10 @@ def test_later_views_keep_working_on_non_contiguous_inputs(rule, fn):
 
 
 def test_group_norm_leaves_empty_and_mixed_dtype_inputs_alone():
-    empty = _trace(lambda x: aten.native_group_norm(x, None, None, 0, 4, 3, 2, 1e-5)[0],
+    empty = trace(lambda x: aten.native_group_norm(x, None, None, 0, 4, 3, 2, 1e-5)[0],
                    torch.empty(0, 4, 3))
     assert not PassManager([group_norm], check=True).run(empty).rewrites
-    mixed = _trace(lambda x, w: aten.native_group_norm(x, w, w, 1, 4, 3, 2, 1e-5),
+    mixed = trace(lambda x, w: aten.native_group_norm(x, w, w, 1, 4, 3, 2, 1e-5),
                    torch.empty(1, 4, 3, dtype=torch.bfloat16), torch.empty(4))
     assert not PassManager([group_norm], check=True).run(mixed).rewrites
 

@@ -15,7 +15,7 @@ from fxpass.rules import (
     roll_to_cat,
     stack_to_cat,
 )
-from fxpass.testing import T, check_rule, traced_graphs
+from fxpass.testing import T, check_rule, trace, traced_graphs
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.float16, torch.int64]
@@ -66,7 +66,7 @@ def test_roll_to_cat_property():
 
 
 def test_roll_by_a_whole_turn_is_a_copy_not_an_alias():
-    gm = _trace(lambda x: torch.roll(x, 4, 0), torch.empty(4, 2))
+    gm = trace(lambda x: torch.roll(x, 4, 0), torch.empty(4, 2))
     PassManager([roll_to_cat], check=True).run(gm)
     x = torch.randn(4, 2)
     out = gm(x)
@@ -104,13 +104,6 @@ def test_index_put_to_copy_property():
     assert fired >= 30
 
 
-def _trace(fn, *fakes):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode() as mode:
-        args = [mode.from_tensor(f) for f in fakes]
-        return make_fx(fn)(*args)
 
 
 def _fired(gm, rule) -> int:
@@ -131,12 +124,12 @@ def _fired(gm, rule) -> int:
     ],
 )
 def test_index_put_left_alone(why, fn, fakes):
-    gm = _trace(fn, *fakes)
+    gm = trace(fn, *fakes)
     assert _fired(gm, index_put_to_copy) == 0, why
 
 
 def test_index_put_out_of_range_still_raises():
-    gm = _trace(lambda x, v: x.index_put((torch.tensor([-5]),), v),
+    gm = trace(lambda x, v: x.index_put((torch.tensor([-5]),), v),
                 torch.empty(4), torch.empty(1))
     assert _fired(gm, index_put_to_copy) == 1
     PassManager([kv_cache_update], check=True).run(gm)
@@ -167,7 +160,7 @@ def test_functional_copy_of_an_input_returned_stays_a_copy():
     # caller's own tensor
     from fxpass.rules import alias_removal
 
-    gm = _trace(lambda d, s: aten.copy.default(d, s), torch.empty(3), torch.empty(3))
+    gm = trace(lambda d, s: aten.copy.default(d, s), torch.empty(3), torch.empty(3))
     rewrites = PassManager([functional_copy, alias_removal], check=True).run(gm).rewrites
     assert rewrites.get("functional_copy") == 1
     d, s = torch.zeros(3), torch.ones(3)
@@ -184,7 +177,7 @@ def test_functional_copy_of_a_source_written_in_place_keeps_the_old_value():
         t.add_(1)  # c must keep the value from before the write
         return c, t
 
-    gm = _trace(fn, torch.empty(3), torch.empty(3))
+    gm = trace(fn, torch.empty(3), torch.empty(3))
     assert PassManager([functional_copy, alias_removal], check=True).run(gm).rewrites
     c, t = gm(torch.zeros(3), torch.ones(3))
     assert torch.equal(c, torch.full((3,), 2.0)) and torch.equal(t, torch.full((3,), 3.0))
