@@ -234,6 +234,12 @@ class ArtifactCache:
         self._evict(keep={key, *keep})
         return art
 
+    def discard(self, key: str, suffix: str) -> None:
+        """Remove an entry (the part of a multi-file entry whose other parts were not stored)."""
+        for p in self._paths(key, suffix):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
     def path(self, key: str, suffix: str) -> Path:
         return self._paths(key, suffix)[0]
 

@@ -32,11 +32,14 @@ from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, region_key
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.host import fuse_for_ort, prepack_helps, shared_weights
 from fxpass.backends.bpu.lower import lower
-from fxpass.backends.bpu.lowering import lower_weightless, write_weights
+from fxpass.backends.bpu.lowering import lower_weightless, write_weights, write_weights_external
+from fxpass.backends.bpu.lowering.driver import Weights
 from fxpass.backends.bpu.region import RegionGraph
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
 
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")
+#: the cache entry's file of the optimized host model's weights (external data beside it)
+WEIGHTS_SUFFIX = ".host.bin"
 HBDK4_HELP = (
     "executor='hbdnn' needs hbdk4 to compile: install the hbdk4-compiler wheel from Horizon's "
     "OpenExplorer toolchain (x86-64 Linux), and run on an RDK board image that ships the "
@@ -115,8 +118,10 @@ def _compile_ort(
     would not prepack (one row per GEMM: a decode step), every frozen weight is a graph input
     fed from the caller's tensor (``host.shared_weights``), so neither the model, nor the
     cache, nor onnxruntime holds a copy of it; only weight views (a bf16 weight cast to
-    float32) are written. The cache keeps onnxruntime's optimized model (a few kilobytes
-    then) and which frozen weight each shared input is (``.host.json``)."""
+    float32) are written. The cache keeps onnxruntime's optimized model (``.host.onnx``, a
+    few kilobytes), the weights it bakes in as external data beside it (``.host.bin``: the
+    written weights, and every GEMM weight prepacked where it prepacks), and which frozen
+    weight each shared input is (``.host.json``)."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     frozen = {rg.sources[c]: t for c, t in buffers.items()}
     if cache is not None:
@@ -130,40 +135,53 @@ def _compile_ort(
         proto, fusions = fuse_for_ort(proto)
     prepack = prepack_helps(proto)
     shared = {} if prepack else shared_weights(proto, weights, buffers)
-    data = write_weights(proto, weights).SerializeToString()
-    del proto  # the written weights are in ``data`` now: one copy fewer while loading
-    size = len(data)
     meta = {"fusions": fusions, "shared": {n: rg.sources[n] for n in shared},
-            "prepack": prepack}
+            "prepack": prepack, "weights": WEIGHTS_SUFFIX}
 
     def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
         return OrtExecutor(model, input_names, threads=threads, optimized_path=optimized_path,
-                           shared=shared, prepack=prepack)
+                           shared=shared, prepack=prepack,
+                           optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None)
+
+    def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
+        data = write_weights(proto, weights).SerializeToString()
+        return Compiled(session(data), key, False, len(data), fusions)
 
     if cache is None:
-        return Compiled(session(data), key, False, size, fusions)
-    # Let onnxruntime write its optimized model once; later processes load it unoptimized.
-    # It reads the model from a file and writes the optimized one beside it, which is moved
-    # into the cache: neither is held in memory as bytes beside the session.
+        return in_memory(proto, weights)
+    # Let onnxruntime write its optimized model once, weights (prepacked ones included) in a
+    # file beside it; later processes load that unoptimized and map the weights. The weights
+    # go to disk straight from their arrays, and the model that names them is kilobytes:
+    # nothing holds a serialized copy of the weights in memory.
     with _build_dir(cache) as tmp:
         src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
         try:
+            write_weights_external(proto, weights, os.path.join(tmp, "weights.bin"),
+                                   "weights.bin")
             with open(src, "wb") as f:
-                f.write(data)
+                f.write(proto.SerializeToString())
         except OSError as e:  # a full disk costs the caching, never the offload
             cache.warn_unwritable(e)
-            return Compiled(session(data), key, False, size, fusions)
-        del data
+            return in_memory(proto, weights)
+        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in ("model.onnx", "weights.bin"))
+        del proto, weights
         try:
             ex = session(src, optimized_path=opt)
         except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
             ex = session(src)  # a model error raises again
             cache.warn_unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
             return Compiled(ex, key, False, size, fusions)
-        # One entry, two files: a hit needs both. An unwritable cache (None, warned once)
-        # keeps the session in memory.
-        if cache.put_file(key, ".host.onnx", opt) is not None:
-            cache.put(key, ".host.json", json.dumps(meta).encode())
+        # One entry, three files: a hit needs all of them. An unwritable cache (None, warned
+        # once) keeps the session in memory. The weights go in first: the model names them.
+        bin_path = os.path.join(tmp, key + WEIGHTS_SUFFIX)
+        if not os.path.exists(bin_path):  # no weight large enough to be written outside
+            open(bin_path, "wb").close()
+        if cache.put_file(key, WEIGHTS_SUFFIX, bin_path) is None:
+            return Compiled(ex, key, False, size, fusions)
+        if cache.put_file(key, ".host.onnx", opt) is None:
+            cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
+            return Compiled(ex, key, False, size, fusions)
+        cache.put(key, ".host.json", json.dumps(meta).encode())
     return Compiled(ex, key, False, size, fusions)
 
 
@@ -207,6 +225,14 @@ def _cached_ort(
         if missing:  # another graph's weights: not this entry's (the key should not collide)
             raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
         shared = {init: frozen[src] for init, src in names.items()}
+        external = meta.get("weights")  # entries before the weights file: none
+        if external is not None:
+            if external != WEIGHTS_SUFFIX:
+                raise ValueError(f"weights file suffix {external!r:.40} is not {WEIGHTS_SUFFIX}")
+            found = cache.get_path(key, WEIGHTS_SUFFIX)  # verified like the model
+            if found is None:
+                return None  # evicted or damaged: compile again
+            size += found[1]
         ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=True,
                          shared=shared, prepack=prepack)
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild

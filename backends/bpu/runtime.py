@@ -35,11 +35,17 @@ class OrtExecutor:
         preoptimized: bool = False,
         shared: dict[str, torch.Tensor] | None = None,
         prepack: bool = True,
+        optimized_weights: str | None = None,
     ):
         """``shared``: weights that are graph inputs of ``model`` (``host.shared_weights``)
         and the tensors that hold them, fed on every run as numpy views: onnxruntime reads
         them in place, and this executor keeps them alive. ``prepack=False`` stops
-        onnxruntime from keeping a repacked copy of every GEMM weight."""
+        onnxruntime from keeping a repacked copy of every GEMM weight.
+
+        ``optimized_weights``: with ``optimized_path``, the file name (beside it) that takes
+        the optimized model's weights as external data, prepacked GEMM weights included. A
+        later process then loads the optimized model without repacking anything, mapping
+        its weights from that file."""
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -55,6 +61,13 @@ class OrtExecutor:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
             if optimized_path:
                 so.optimized_model_filepath = optimized_path
+            if optimized_path and optimized_weights:
+                for k, v in (
+                    ("session.optimized_model_external_initializers_file_name", optimized_weights),
+                    ("session.optimized_model_external_initializers_min_size_in_bytes", "4096"),
+                    ("session.save_external_prepacked_constant_initializers", "1"),
+                ):
+                    so.add_session_config_entry(k, v)
         self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         # onnxruntime's Python session keeps the model bytes (weights included) for its whole
         # life, only to rebuild itself on a provider fallback (its own TODO); with the CPU

@@ -103,3 +103,60 @@ def test_cached_entry_reads_the_new_process_weights(tmp_path, monkeypatch):
         twin[0].weight.data_ptr(), twin[2].weight.data_ptr()}
     with torch.no_grad():
         torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
+
+
+def _entry_files(tmp_path) -> dict[str, object]:
+    return {p.name.split(".", 1)[1]: p for p in tmp_path.rglob("*.host.*")}
+
+
+def test_prefill_entry_keeps_its_weights_in_a_file_beside_the_model(tmp_path, monkeypatch):
+    """A region that prepacks (more than one row per GEMM) bakes its weights in. They go to
+    the cache as external data (``.host.bin``, prepacked copies included), not inside the
+    model's protobuf: the cold compile serializes no weight, and a new process maps the
+    prepacked weights instead of repacking them. The hit must give eager's answer."""
+    m, x = _model(), torch.randn(16, 64)
+    _, out = _compile(m, x, tmp_path, monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)  # float32
+    files = _entry_files(tmp_path)
+    assert {"host.onnx", "host.bin", "host.json"} <= set(files)
+    proto, meta, size = _entry(tmp_path)
+    assert meta["prepack"] is True and meta["weights"] == ".host.bin"
+    weight_bytes = sum(p.numel() * 4 for p in m.parameters() if p.dim() == 2)
+    assert size < weight_bytes / 20, "the model holds no weight data"
+    assert files["host.bin"].stat().st_size >= weight_bytes
+    external = [t for t in proto.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    locations = {e.value for t in external for e in t.external_data if e.key == "location"}
+    assert locations == {files["host.bin"].name}, "named relative to the model, as cached"
+
+    twin, y = _model(), torch.randn(16, 64)  # same values, other tensors: a hit
+    c, _ = _compile(twin, y, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is True
+    with torch.no_grad():
+        torch.testing.assert_close(c(y), twin(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fault", ["damaged", "missing"])
+def test_prefill_entry_without_its_weights_file_is_rebuilt(fault, tmp_path, monkeypatch):
+    """The weights file is verified like the model: a damaged one (a flipped byte) is
+    reported and rebuilt, a missing one (evicted) is a miss; never a wrong answer."""
+    m, x = _model(), torch.randn(16, 64)
+    _compile(m, x, tmp_path, monkeypatch)
+    weights = _entry_files(tmp_path)["host.bin"]
+    if fault == "missing":
+        weights.unlink()
+    else:
+        raw = bytearray(weights.read_bytes())
+        raw[-5] ^= 0xFF  # inside the last weight
+        weights.write_bytes(bytes(raw))
+    twin = _model()
+    if fault == "damaged":
+        with pytest.warns(UserWarning, match="corrupt"):
+            c, out = _compile(twin, x, tmp_path, monkeypatch)
+    else:
+        c, out = _compile(twin, x, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is False
+    with torch.no_grad():
+        torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
+    assert _entry_files(tmp_path)["host.bin"].stat().st_size > 0, "stored again"

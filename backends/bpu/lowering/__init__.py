@@ -12,7 +12,12 @@ Modules, each readable in one sitting:
 """
 
 from fxpass.backends.bpu.lowering.builder import LoweringError
-from fxpass.backends.bpu.lowering.driver import lower, lower_weightless, write_weights
+from fxpass.backends.bpu.lowering.driver import (
+    lower,
+    lower_weightless,
+    write_weights,
+    write_weights_external,
+)
 from fxpass.backends.bpu.lowering.table import FAMILIES, LOWERINGS, OPS, Op, Reasons, can_lower
 
 __all__ = [
@@ -26,4 +31,5 @@ __all__ = [
     "lower",
     "lower_weightless",
     "write_weights",
+    "write_weights_external",
 ]

@@ -114,7 +114,53 @@ def write_weights(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
             t = model.graph.initializer.add()
             t.name, t.data_type = name, dtype
             t.dims.extend(shape)
+        t.data_location = onnx.TensorProto.DEFAULT  # in case it was written outside before
+        del t.external_data[:]
         t.raw_data = array().tobytes()
+    return model
+
+
+#: Offsets of externally written weights are multiples of this: onnxruntime maps a weight
+#: whose offset is page-aligned straight from the file instead of reading it into a buffer.
+EXTERNAL_ALIGN = 64 * 1024
+
+
+def write_weights_external(
+    model: onnx.ModelProto, weights: Weights, path: str, location: str
+) -> onnx.ModelProto:
+    """Write ``weights`` to the file ``path`` as ONNX external data (named ``location``,
+    relative to the model's own file) and point the model's initializers at it.
+
+    Why not :func:`write_weights`: raw data inside the protobuf is a copy of every weight in
+    the message and another in its serialized bytes (1.9 s and two copies of a 400 MB model's
+    weights in the profile of a prefill-sized compile). Here each weight goes from its array to
+    the file once, through the page cache, and onnxruntime maps it back page-aligned."""
+    slots = {t.name: t for t in model.graph.initializer if t.name in weights}
+    offset = 0
+    with open(path, "wb") as f:
+        for name, (dtype, shape, array) in weights.items():
+            t = slots.get(name)
+            if t is None:
+                t = model.graph.initializer.add()
+                t.name, t.data_type = name, dtype
+                t.dims.extend(shape)
+            a = np.ascontiguousarray(array())
+            if a.nbytes == 0:
+                t.raw_data = b""
+                continue
+            pad = -offset % EXTERNAL_ALIGN
+            f.write(bytes(pad))
+            offset += pad
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            for k, v in (("location", location), ("offset", str(offset)),
+                         ("length", str(a.nbytes))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+            offset += a.nbytes
+            del a
     return model
 
 
