@@ -3,6 +3,7 @@
     python -m benchmarks.compile_time                    # the matrix below, median of 3
     python -m benchmarks.compile_time --repeats 5 --tokens 1,128
     python -m benchmarks.compile_time --profile          # cProfile of the backend's own time
+    python -m benchmarks.compile_time --profile --tokens 128 --dtype bfloat16
     python -m benchmarks.compile_time --hash             # hash throughput (digest.py's choice)
 
 Every sample is a fresh Python process (imports and model construction are not timed; the
@@ -199,13 +200,17 @@ STEPS = [  # (label, path substring, function name) of a pstats entry
     ("plan key (graph + weight digests)", "bpu/plan.py", "key_for"),
     ("plan load (artifacts, ORT sessions, graph)", "bpu/plan.py", "apply"),
     ("  of which ORT session", "bpu/runtime.py", "__init__"),
-    ("  of which cache read + verify", "bpu/cache.py", "get"),
+    ("  of which cache read + verify", "bpu/cache.py", "_verified"),
+    ("tool versions (imports onnxruntime; in the keys)", "bpu/cache.py", "tool_versions"),
     ("rules (pass manager)", "fxpass/passmanager.py", "run"),
+    ("  of which bf16_promotion", "rules/bf16_promotion.py", "bf16_promotion"),
     ("partition", "bpu/partition.py", "partition"),
     ("extract regions", "bpu/region.py", "extract"),
     ("region key (weight digests)", "bpu/cache.py", "region_key"),
     ("lower to ONNX", "bpu/lower", "lower"),
     ("host fusions (onnxscript)", "bpu/host.py", "fuse_for_ort"),
+    ("weights file (external data)", "lowering/driver.py", "write_weights_external"),
+    ("ORT session (all)", "onnxruntime_inference_collection.py", "_create_inference_session"),
     ("cache write", "bpu/cache.py", "put"),
     ("plan store", "bpu/plan.py", "store"),
     ("splice", "bpu/region.py", "splice"),
@@ -227,10 +232,12 @@ def profile_table(path: str) -> list[tuple[str, float]]:
     return rows
 
 
-def profile(tokens: int) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+def profile(tokens: int, dtype: str = "float32") -> dict[str, Any]:
+    """cProfile of one cold and one warm process (Qwen3 4 x 1024); written to
+    ``compile_profile.json`` (1 token, float32) or ``compile_profile-t<tokens>-<dtype>.json``."""
+    res: dict[str, Any] = {"tokens": tokens, "dtype": dtype}
     with tempfile.TemporaryDirectory(prefix="fxpass-profile-") as tmp:
-        spec = {"model": "qwen3", "dtype": "float32", "tokens": tokens, "backend": "fxpass_bpu"}
+        spec = {"model": "qwen3", "dtype": dtype, "tokens": tokens, "backend": "fxpass_bpu"}
         env = {"FXPASS_CACHE_DIR": str(Path(tmp) / "cache")}
         for state in ("cold", "warm"):
             prof = str(Path(tmp) / f"{state}.prof")
@@ -245,7 +252,8 @@ def profile(tokens: int) -> dict[str, Any]:
         lines.append(f"| {label} | {c:.3f} |" if c is not None else f"| {label} | |")
         lines[-1] += f" {w:.3f} |" if w is not None else " |"
     res["markdown"] = "\n".join(lines)
-    (OUT / "compile_profile.json").write_text(json.dumps(res, indent=1) + "\n")
+    stem = "compile_profile" + ("" if (tokens, dtype) == (1, "float32") else f"-t{tokens}-{dtype}")
+    (OUT / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     print(res["markdown"])
     return res
 
@@ -291,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="1", help="comma-separated, e.g. 1,128")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated of {list(MODELS)}")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--profile only (the matrix takes its dtypes from --models)")
     ap.add_argument("--hash", action="store_true")
     a = ap.parse_args(argv)
     if a.hash:
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     tokens = [int(t) for t in a.tokens.split(",")]
     if a.profile:
-        profile(tokens[0])
+        profile(tokens[0], a.dtype)
         return
     models = [m.strip() for m in a.models.split(",")]
     cases = [(m, t) for t in tokens for m in models]

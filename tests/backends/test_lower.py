@@ -728,6 +728,33 @@ def test_weightless_lowering_fills_in_to_the_same_model() -> None:
     assert full.SerializeToString() == lower(gm, name="b").SerializeToString()
 
 
+def test_weights_written_outside_load_back_to_the_same_model(tmp_path) -> None:
+    """``write_weights_external`` (the cached host path) puts each weight in a file at an
+    offset onnxruntime can map (a multiple of ``EXTERNAL_ALIGN``), and the model it names them
+    from loads back to exactly ``lower``'s weights; onnxruntime runs it to eager's answer."""
+    from fxpass.backends.bpu.lowering import lower_weightless, write_weights_external
+    from fxpass.backends.bpu.lowering.driver import EXTERNAL_ALIGN
+
+    block = TinyDecoderBlock().eval()
+    x = torch.randn(6, 16)
+    gm = trace_module(block, x)
+    light, weights = lower_weightless(gm, name="b")
+    names = set(weights)
+    write_weights_external(light, weights, str(tmp_path / "w.bin"), "w.bin")
+    written = [t for t in light.graph.initializer if t.name in names]
+    assert written and all(t.data_location == onnx.TensorProto.EXTERNAL for t in written)
+    offsets = [int(e.value) for t in written for e in t.external_data if e.key == "offset"]
+    assert len(offsets) == len(written) and all(o % EXTERNAL_ALIGN == 0 for o in offsets)
+    assert len(set(offsets)) == len(offsets), "no two weights share bytes"
+    (tmp_path / "m.onnx").write_bytes(light.SerializeToString())
+    back = onnx.load(str(tmp_path / "m.onnx"))  # resolves the external data beside it
+    want = {t.name: onnx.numpy_helper.to_array(t) for t in lower(gm, name="b").graph.initializer}
+    for t in back.graph.initializer:
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(t), want[t.name])
+    with torch.no_grad():
+        assert_close(run_onnx(back, [x]), block(x))
+
+
 def test_host_fusions_are_safe_from_parallel_region_compiles() -> None:
     """Regions compile in a thread pool, and onnxscript's fusion rules keep their current match
     on shared module-level objects: unserialized, two threads corrupted each other's bindings
