@@ -78,11 +78,12 @@ def run(name: str, budget_s: float) -> dict[str, Any]:
         gemm = _session(k, n, False, None, wn)
         gemm1 = _session(k, n, False, 1, wn)
         matmul = _session(k, n, True, None, np.ascontiguousarray(wn))
+        feed = {"x": xn, "w": wn}
         contenders = {
-            "ort gemm(transB)": lambda s=gemm: s.run(None, {"x": xn, "w": wn}),
-            "ort gemm(transB) 1 thread": lambda s=gemm1: s.run(None, {"x": xn, "w": wn}),
-            "ort matmul(W^T)": lambda s=matmul: s.run(None, {"x": xn}),
-            "torch linear": lambda: torch.nn.functional.linear(x, w),
+            "ort gemm(transB)": lambda s=gemm, f=feed: s.run(None, f),
+            "ort gemm(transB) 1 thread": lambda s=gemm1, f=feed: s.run(None, f),
+            "ort matmul(W^T)": lambda s=matmul, f={"x": xn}: s.run(None, f),
+            "torch linear": lambda x=x, w=w: torch.nn.functional.linear(x, w),
         }
         for label, fn in contenders.items():  # the same product, or the timing means nothing
             got = fn()

@@ -14,8 +14,12 @@ Why: the BPU (hbdk4, hbDNN) has no BF16 type at all; without this, every BF16 op
 the CPU. F32 inside the region is at least as accurate as eager BF16.
 
 Does not fire when: the op is itself a cast (the cancel rule owns those), reinterprets bits
-(``view.dtype``), or has no BF16 input, output or dtype argument. Off by default; targets
-without BF16 (the BPU) enable it.
+(``view.dtype``), or has no BF16 input, output or dtype argument; or it is a table lookup
+(``embedding``). A lookup copies rows, which is exact in any dtype, so it reads the BF16 table
+as it is and its consumers cast the rows they get: promoting it would cast the whole table,
+and constant folding would then keep a float32 copy of it (for a 32000 x 1024 vocabulary,
+125 MiB beside a 62.5 MiB table) to read one row per token. No target runs ``embedding`` on
+the device. Off by default; targets without BF16 (the BPU) enable it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from fxpass.rules._util import CAST, aten, prims, writes
 BF16, F32 = torch.bfloat16, torch.float32
 UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)
 _SKIP = {CAST, prims.convert_element_type.default, aten.to.dtype, aten.view.dtype, operator.getitem}
+#: lookups whose BF16 table is read as it is (exact: rows are copied, not computed)
+LOOKUPS = {aten.embedding.default}
 
 
 def _has_bf16(v) -> bool:
@@ -53,6 +59,11 @@ def bf16_promotion(node, rw):
         return False
     if writes(node.target):
         return rw.skip("in-place op: computing it on an F32 copy would lose the write")
+    if node.target in LOOKUPS:
+        if _has_bf16(node.meta["val"]):
+            return rw.skip("a table lookup is exact in BF16: its readers cast the rows, "
+                           "not the table")
+        return False
     val = node.meta["val"]
     ins = [i for i in node.all_input_nodes if _has_bf16(i.meta.get("val"))]
     dt_arg = node.kwargs.get("dtype") == BF16
