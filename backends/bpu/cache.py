@@ -234,6 +234,17 @@ class ArtifactCache:
         self._evict(keep={key, *keep})
         return art
 
+    def stored_checksum(self, key: str, suffix: str) -> str | None:
+        """The checksum an entry's manifest records (not verified here: :meth:`get_path` does
+        that). A multi-file entry records its parts' checksums in its last file, so a hit can
+        tell that its parts come from one store, not from two processes that raced."""
+        try:
+            m = json.loads(self._paths(key, suffix)[1].read_bytes())
+        except (OSError, ValueError):
+            return None
+        c = m.get("checksum") if isinstance(m, dict) else None
+        return c if isinstance(c, str) else None
+
     def discard(self, key: str, suffix: str) -> None:
         """Remove an entry (the part of a multi-file entry whose other parts were not stored)."""
         for p in self._paths(key, suffix):

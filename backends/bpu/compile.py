@@ -181,6 +181,10 @@ def _compile_ort(
         if cache.put_file(key, ".host.onnx", opt) is None:
             cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
             return Compiled(ex, key, False, size, fusions)
+        # the parts' checksums bind them: a hit whose parts another process replaced meanwhile
+        # (the same key compiled twice at once) is a miss, never one process's model over the
+        # other's weights file
+        meta["parts"] = {s: cache.stored_checksum(key, s) for s in (".host.onnx", WEIGHTS_SUFFIX)}
         cache.put(key, ".host.json", json.dumps(meta).encode())
     return Compiled(ex, key, False, size, fusions)
 
@@ -233,6 +237,12 @@ def _cached_ort(
             if found is None:
                 return None  # evicted or damaged: compile again
             size += found[1]
+            parts = meta.get("parts")
+            if not isinstance(parts, dict) or any(
+                parts.get(s) is None or parts.get(s) != cache.stored_checksum(key, s)
+                for s in (".host.onnx", WEIGHTS_SUFFIX)
+            ):
+                return None  # parts of two stores (a race on the key): compile again
         ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=True,
                          shared=shared, prepack=prepack)
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild

@@ -160,3 +160,27 @@ def test_prefill_entry_without_its_weights_file_is_rebuilt(fault, tmp_path, monk
     with torch.no_grad():
         torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
     assert _entry_files(tmp_path)["host.bin"].stat().st_size > 0, "stored again"
+
+
+def test_entry_parts_from_two_stores_are_a_miss(tmp_path, monkeypatch):
+    """Two processes compiling the same key at once each store a model and a weights file. A
+    hit must not pair one's model with the other's weights file: here the weights file is
+    replaced through the cache itself (a valid manifest, other values at the same offsets),
+    which the parts' checksums in ``.host.json`` catch; it is rebuilt, and the answer is
+    eager's."""
+    from fxpass.backends.bpu.cache import ArtifactCache
+
+    m, x = _model(), torch.randn(16, 64)
+    _compile(m, x, tmp_path, monkeypatch)
+    weights = _entry_files(tmp_path)["host.bin"]
+    key = weights.name[: -len(".host.bin")]
+    other = tmp_path / "other.bin"
+    raw = bytearray(weights.read_bytes())
+    raw[-5] ^= 0x40  # a valid float, another value
+    other.write_bytes(bytes(raw))
+    assert ArtifactCache(tmp_path).put_file(key, ".host.bin", other) is not None
+    twin = _model()
+    c, out = _compile(twin, x, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is False
+    with torch.no_grad():
+        torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
