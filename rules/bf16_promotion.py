@@ -35,6 +35,7 @@ from fxpass.rules._util import CAST, aten, prims, writes
 
 BF16, F32 = torch.bfloat16, torch.float32
 UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)
+SHARED_UP = "fxpass_bf16_up"  # the one F32 cast of a BF16 value, right after it
 _SKIP = {CAST, prims.convert_element_type.default, aten.to.dtype, aten.view.dtype, operator.getitem}
 #: lookups whose BF16 table is read as it is (exact: rows are copied, not computed)
 LOOKUPS = {aten.embedding.default}
@@ -76,14 +77,14 @@ def bf16_promotion(node, rw):
         kwargs["dtype"] = F32
     if ins and any(i.meta["val"].dtype == BF16 for i in ins):
         args, kwargs = _round_scalars(node.target, args, kwargs)
+    shared = {i: _shared_up(i) for i in ins}
     with rw.fake_mode:
-        as_f32 = {i: i.meta["val"].to(F32) for i in ins}
+        as_f32 = {i: c.meta["val"] if c is not None else i.meta["val"].to(F32)
+                  for i, c in shared.items()}
     new_val = rw.infer(node.target, args, kwargs, override=as_f32)
     if _has_bf16(new_val):
         return rw.skip("still produces BF16 from F32 inputs (a positional dtype argument?)")
-    up = {i: rw.call(CAST, i, dtype=F32, val=as_f32[i]) for i in ins}
-    for cast in up.values():
-        cast.meta[UP] = True  # bf16_cast_cancel only undoes round trips that this rule made
+    up = {i: c if c is not None else _up(rw, i, as_f32[i]) for i, c in shared.items()}
     args, kwargs = map_arg((args, kwargs), lambda x: up.get(x, x))
     new = rw.call(node.target, *args, val=new_val, **kwargs)
     if isinstance(val, (tuple, list)):
@@ -112,11 +113,29 @@ def _round_scalars(target, args, kwargs):
     return tuple(args), kwargs
 
 
+def _shared_up(i):
+    """The F32 cast of ``i`` this rule already made for another reader, if any."""
+    return next((u for u in i.users if u.meta.get(SHARED_UP)), None)
+
+
+def _up(rw, i, val):
+    """Cast BF16 value ``i`` to F32 right after it, once for all the readers this rule
+    promotes (placed there, it comes before every one of them). One cast per value, not one
+    per reader: the fake cast is most of the rule's cost, and the copies were duplicates."""
+    with rw.at(i.next):
+        cast = rw.call(CAST, i, dtype=F32, val=val)
+    cast.meta[UP] = True  # bf16_cast_cancel only undoes round trips that this rule made
+    cast.meta[SHARED_UP] = True
+    return cast
+
+
 def _back(rw, new, old_val):
     """Cast back to the dtype eager produced (BF16) so the rest of the graph is unchanged."""
     nv = new.meta["val"]
     if isinstance(old_val, torch.Tensor) and nv.dtype != old_val.dtype:
-        back = rw.call(CAST, new, dtype=old_val.dtype)
+        same = nv.shape == old_val.shape and nv.stride() == old_val.stride()
+        # _to_copy keeps the layout: the cast of ``new`` looks exactly like eager's value
+        back = rw.call(CAST, new, dtype=old_val.dtype, **({"val": old_val} if same else {}))
         back.meta[UP] = True
         return back
     return new
