@@ -36,7 +36,7 @@ from torch.fx import GraphModule
 
 # 5: host models carry the fused Attention; 4: fast checksums (digest.py) and cached plans;
 # 3: manifests with key
-CACHE_VERSION = "6"
+CACHE_VERSION = "7"
 MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash
@@ -185,7 +185,7 @@ class ArtifactCache:
                 return None
             raw = man.read_bytes()
             data = art.read_bytes() if read else None
-            digest = checksum(data) if read else file_checksum(art)
+            digest = _checksum(data) if read else file_checksum(art)
             size = len(data) if read else art.stat().st_size
         except OSError:  # evicted meanwhile, or unreadable: compile instead
             return None
@@ -206,20 +206,24 @@ class ArtifactCache:
         return self._store(key, suffix, keep, data=data)
 
     def put_file(
-        self, key: str, suffix: str, src: str | os.PathLike, keep: tuple[str, ...] = ()
+        self, key: str, suffix: str, src: str | os.PathLike, keep: tuple[str, ...] = (),
+        checksum: str | None = None,
     ) -> Path | None:
         """:meth:`put` of a file's contents, moved into place (not read into memory) when it
-        is on the cache's filesystem (else copied; the caller removes ``src``)."""
-        return self._store(key, suffix, keep, src=src)
+        is on the cache's filesystem (else copied; the caller removes ``src``). ``checksum``:
+        the file's :func:`file_checksum` when the caller already has it (read once, not twice)."""
+        return self._store(key, suffix, keep, src=src, checksum=checksum)
 
     def _store(
         self, key: str, suffix: str, keep: tuple[str, ...], data: bytes | None = None,
-        src: str | os.PathLike | None = None,
+        src: str | os.PathLike | None = None, checksum: str | None = None,
     ) -> Path | None:
         art, man = self._paths(key, suffix)
         try:
+            if checksum is None:
+                checksum = _checksum(data) if src is None else file_checksum(src)
             manifest = {
-                "checksum": checksum(data) if src is None else file_checksum(src),
+                "checksum": checksum,
                 "key": key,
                 "suffix": suffix,
                 "size": len(data) if src is None else os.path.getsize(src),
@@ -393,7 +397,7 @@ def _check_manifest(raw: bytes, digest: str, key: str, suffix: str) -> str | Non
     return None
 
 
-def checksum(data: bytes) -> str:
+def _checksum(data: bytes) -> str:
     """``"<algorithm>:<hex>"`` of ``data``: verified on every hit, so it uses the fast hash
     (xxh3-128 reads a 290 MB artifact in ~0.1 s here; sha256 took 0.45 s). It guards against
     torn or damaged files, not against someone who can write the cache directory."""
@@ -405,7 +409,7 @@ def checksum(data: bytes) -> str:
 
 
 def file_checksum(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
-    """:func:`checksum` of a file's contents, read in chunks into one reused buffer."""
+    """:func:`_checksum` of a file's contents, read in chunks into one reused buffer."""
     from fxpass.backends.bpu.digest import HASH_NAME, hasher
 
     h, buf = hasher(), bytearray(chunk)

@@ -28,9 +28,15 @@ import onnx
 import torch
 
 from fxpass.backends.bpu import quantize as Q
-from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, region_key
+from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, file_checksum, region_key
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
-from fxpass.backends.bpu.host import fuse_for_ort, prepack_helps, shared_weights
+from fxpass.backends.bpu.host import (
+    MIN_SHARED_BYTES,
+    cast_weight,
+    fuse_for_ort,
+    prepack_helps,
+    shared_weights,
+)
 from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.lowering import lower_weightless, write_weights, write_weights_external
 from fxpass.backends.bpu.lowering.driver import Weights
@@ -38,6 +44,8 @@ from fxpass.backends.bpu.region import RegionGraph
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
 
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")
+#: dtypes a cached entry may ask a weight to be cast to (``host.cast_weight``)
+_CAST_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.float64)}
 #: the cache entry's file of the optimized host model's weights (external data beside it)
 WEIGHTS_SUFFIX = ".host.bin"
 HBDK4_HELP = (
@@ -135,7 +143,9 @@ def _compile_ort(
         proto, fusions = fuse_for_ort(proto)
     prepack = prepack_helps(proto)
     shared = {} if prepack else shared_weights(proto, weights, buffers)
-    meta = {"fusions": fusions, "shared": {n: rg.sources[n] for n in shared},
+    meta = {"fusions": fusions, "shared": {n: rg.sources[n] for n in shared if n in rg.sources},
+            "casts": {n: [rg.sources[weights.casts[n][0]], str(weights.casts[n][1])]
+                      for n in shared if n not in rg.sources},
             "prepack": prepack, "weights": WEIGHTS_SUFFIX}
 
     def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
@@ -176,17 +186,49 @@ def _compile_ort(
         bin_path = os.path.join(tmp, key + WEIGHTS_SUFFIX)
         if not os.path.exists(bin_path):  # no weight large enough to be written outside
             open(bin_path, "wb").close()
-        if cache.put_file(key, WEIGHTS_SUFFIX, bin_path) is None:
-            return Compiled(ex, key, False, size, fusions)
-        if cache.put_file(key, ".host.onnx", opt) is None:
-            cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
-            return Compiled(ex, key, False, size, fusions)
-        # the parts' checksums bind them: a hit whose parts another process replaced meanwhile
-        # (the same key compiled twice at once) is a miss, never one process's model over the
-        # other's weights file
-        meta["parts"] = {s: cache.stored_checksum(key, s) for s in (".host.onnx", WEIGHTS_SUFFIX)}
-        cache.put(key, ".host.json", json.dumps(meta).encode())
+        # The parts' checksums, of the files this process stored, bind them in .host.json: a
+        # hit whose model or weights file another process replaced meanwhile (the same key
+        # compiled twice at once) is a miss, never one process's model over the other's file.
+        parts = {WEIGHTS_SUFFIX: file_checksum(bin_path), ".host.onnx": file_checksum(opt)}
+        stored, mine = {}, []  # mine: the files' inodes, which a move into the cache keeps
+        for suffix, path in ((WEIGHTS_SUFFIX, bin_path), (".host.onnx", opt)):
+            mine.append(os.stat(path).st_ino)
+            stored[suffix] = cache.put_file(key, suffix, path, checksum=parts[suffix])
+            if stored[suffix] is None:
+                cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
+                return Compiled(ex, key, False, size, fusions)
+        meta["parts"] = parts
+        if cache.put(key, ".host.json", json.dumps(meta).encode()) is not None and (
+                os.path.getsize(os.path.join(tmp, "weights.bin")) >= MIN_SHARED_BYTES):
+            # The session maps the build directory's weights.bin, which is deleted on the way
+            # out: its blocks would stay allocated, unseen by the cache's size bound, for as
+            # long as the model lives. Run from the stored entry instead, as a hit would.
+            ex = _from_stored(ex, stored, mine, input_names, threads, shared, prepack)
     return Compiled(ex, key, False, size, fusions)
+
+
+def _from_stored(
+    ex: OrtExecutor, stored: dict[str, Any], mine: list[int], input_names: list[str],
+    threads: int | None, shared: dict[str, torch.Tensor], prepack: bool,
+) -> OrtExecutor:
+    """A session over the entry this process just stored, if its files are still the ones it
+    moved there (``mine``: their inodes, before and after the session opened them; entries
+    are replaced only by atomic renames), else ``ex``: another process compiling the same key
+    may have replaced them meanwhile (or the move was a copy), and those are not ours."""
+    def inodes() -> list[int] | None:
+        try:
+            return [os.stat(p).st_ino for p in stored.values()]
+        except OSError:
+            return None
+
+    if inodes() != mine:
+        return ex
+    try:
+        new = OrtExecutor(str(stored[".host.onnx"]), input_names, threads=threads,
+                          preoptimized=True, shared=shared, prepack=prepack)
+    except Exception:  # noqa: BLE001 - replaced or evicted meanwhile: keep the one we have
+        return ex
+    return new if inodes() == mine else ex
 
 
 def _build_dir(cache: ArtifactCache) -> tempfile.TemporaryDirectory:
@@ -229,6 +271,14 @@ def _cached_ort(
         if missing:  # another graph's weights: not this entry's (the key should not collide)
             raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
         shared = {init: frozen[src] for init, src in names.items()}
+        casts = meta.get("casts", {})  # entries before cast weights were made here: none
+        if not isinstance(casts, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and v[0] in frozen and v[1] in _CAST_DTYPES
+            for v in casts.values()
+        ):
+            raise ValueError(f"cast weights malformed or not of this graph: {casts!r:.80}")
+        shared.update({init: cast_weight(frozen[src], _CAST_DTYPES[dt])
+                       for init, (src, dt) in casts.items()})
         external = meta.get("weights")  # entries before the weights file: none
         if external is not None:
             if external != WEIGHTS_SUFFIX:

@@ -110,16 +110,23 @@ def shared_weights(
     Why: writing a weight into the model copies it (into the protobuf, into the cache, then
     into the session). A graph input that is a numpy view of the tensor is read where it
     lies. (``add_external_initializers`` copies the data in onnxruntime 1.31, and
-    ``add_initializer`` needs a full-size placeholder in the model.) Only the model's frozen
+    ``add_initializer`` needs a full-size placeholder in the model.) The model's frozen
     weights as they are qualify (``tensors``: a region's buffers that hold a frozen
-    placeholder): contiguous CPU tensors of a numpy dtype. Transposed or cast views are new
-    data and stay written (``Gemm(transB=1)`` keeps Linear weights untransposed)."""
+    placeholder): contiguous CPU tensors of a numpy dtype. So does a plain dtype cast of one
+    (``weights.casts``: a BF16 weight read as float32), as a copy made by :func:`cast_weight`:
+    onnxruntime needs float32 anyway, and making it costs less than writing it to the model
+    file and reading it back. Transposed views stay written (``Gemm(transB=1)`` keeps Linear
+    weights untransposed, so the host path has none)."""
     shared = {}
+    casts: dict[str, tuple[str, torch.dtype]] = getattr(weights, "casts", {})
     for name in list(weights):
-        t = tensors.get(name)
+        t, made = tensors.get(name), False
+        if t is None and name in casts and casts[name][0] in tensors:
+            src, dtype = casts[name]
+            t, made = cast_weight(tensors[src], dtype), True
         if (t is not None and t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
                 and t.is_contiguous() and t.numel() * t.element_size() >= MIN_SHARED_BYTES):
-            shared[name] = t.detach()
+            shared[name] = t if made else t.detach()
             del weights[name]
     g = model.graph
     inits = [i for i in g.initializer if i.name in shared]
@@ -128,6 +135,14 @@ def shared_weights(
         g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type,
                                                           list(init.dims)))
     return shared
+
+
+def cast_weight(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 (or other) copy of a weight that a host region reads in place of a cast:
+    made here from the weight, both when compiling and when a cached entry loads, so the
+    cache never stores it (for a BF16 model, twice the weights' bytes written and read)."""
+    with torch.no_grad():
+        return t.detach().to(dtype).contiguous()
 
 
 def prepack_helps(model: onnx.ModelProto) -> bool:

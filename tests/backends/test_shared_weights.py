@@ -4,6 +4,7 @@ them anyway (one row per GEMM, a decode step)."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import onnx
@@ -184,3 +185,99 @@ def test_entry_parts_from_two_stores_are_a_miss(tmp_path, monkeypatch):
     assert fxpass.compile_reports()[-1].regions[0].cached is False
     with torch.no_grad():
         torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
+
+
+def _bf16_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64, bias=False)
+    ).to(torch.bfloat16).eval()
+
+
+def test_bf16_weights_are_cast_in_memory_not_written(tmp_path, monkeypatch):
+    """A BF16 model on the host computes in float32 (no BF16 kernels in onnxruntime), so its
+    weights are cast. At one row per GEMM the float32 copies are made from the weights and
+    fed in place: the cache holds none of them (it used to write twice the BF16 bytes to disk
+    and read them back), a new process makes them again from its own weights, and an
+    in-place update of a weight is seen (the weight guard recompiles)."""
+    m, x = _bf16_model(), torch.randn(1, 64, dtype=torch.bfloat16)
+    _, out = _compile(m, x, tmp_path, monkeypatch)
+    with torch.no_grad():  # float32 inside, BF16 at the edges: BF16 rounding of the result
+        torch.testing.assert_close(out, m(x), rtol=2e-2, atol=2e-2)
+    (ex,) = _Recording.made
+    casts = {n: t for n, t in ex.shared.items() if t.dtype == torch.float32}
+    assert len(casts) == 2
+    assert sorted(t.shape for t in casts.values()) == sorted(p.shape for p in
+                                                            (m[0].weight, m[2].weight))
+    for t in casts.values():
+        w = m[0].weight if t.shape == m[0].weight.shape else m[2].weight
+        assert torch.equal(t, w.float())
+    _, meta, _ = _entry(tmp_path)
+    assert set(meta["casts"]) == set(casts) and not meta["shared"]
+    f32_bytes = sum(p.numel() * 4 for p in m.parameters() if p.dim() == 2)
+    assert _entry_files(tmp_path)["host.bin"].stat().st_size < f32_bytes / 20
+
+    twin = _bf16_model()  # same values, other tensors: a hit that casts its own weights
+    c, out = _compile(twin, x, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is True
+    (ex,) = _Recording.made
+    assert {t.shape for t in ex.shared.values()} == {twin[0].weight.shape, twin[2].weight.shape}
+    with torch.no_grad():
+        torch.testing.assert_close(out, twin(x), rtol=2e-2, atol=2e-2)
+        twin[2].weight.mul_(-2.0)  # a tracked write: the copies are stale, the guard sees it
+        with pytest.warns(UserWarning, match="changed after compile; recompiling"):
+            again = c(x)
+        torch.testing.assert_close(again, twin(x), rtol=2e-2, atol=2e-2)
+
+
+def test_store_interleaved_with_another_process_is_never_mixed(tmp_path, monkeypatch):
+    """Found in review: the parts' checksums were read back from the manifests after both
+    stores, so another process storing its weights file between them got paired with this
+    process's model. Here another "process" stores a weights file with one other value right
+    after this one stores its own: this process must keep answering from its own weights, and
+    the entry it leaves must be a miss, not a hit over the other weights file."""
+    from fxpass.backends.bpu.cache import ArtifactCache
+
+    real = ArtifactCache.put_file
+
+    def racing(self, key, suffix, src, keep=(), checksum=None):
+        out = real(self, key, suffix, src, keep, checksum)
+        if suffix == ".host.bin" and out is not None:
+            raw = bytearray(out.read_bytes())
+            raw[-5] ^= 0x40  # a valid float, another value
+            other = tmp_path / "other.bin"
+            other.write_bytes(bytes(raw))
+            real(self, key, suffix, other)
+        return out
+
+    monkeypatch.setattr(ArtifactCache, "put_file", racing)
+    m, x = _model(), torch.randn(16, 64)
+    c, out = _compile(m, x, tmp_path, monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(ArtifactCache, "put_file", real)
+    twin = _model()
+    _, out = _compile(twin, x, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is False
+    with torch.no_grad():
+        torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_cold_session_maps_the_stored_entry_not_a_deleted_build_file(tmp_path, monkeypatch):
+    """Found in review: the compiling process's session mapped the build directory's
+    weights.bin, which is deleted when the build ends, so its blocks stayed allocated on the
+    cache's disk (unseen by the cache's size bound) for the model's lifetime. The session now
+    runs from the stored entry, which is what it maps."""
+    from pathlib import Path
+
+    m, x = _model(), torch.randn(16, 64)
+    c, out = _compile(m, x, tmp_path, monkeypatch)
+    assert len(_Recording.made) == 2, "the build's session, then the stored entry's"
+    _Recording.made = []  # the recording alone kept the build's session alive
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert "weights.bin (deleted)" not in maps
+    assert _entry_files(tmp_path)["host.bin"].name in maps, "mapped from the cache entry"
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)

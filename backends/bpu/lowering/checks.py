@@ -34,7 +34,8 @@ def tensor_reason(v: Any, march: March | None = None) -> str | None:
     if not all(isinstance(d, int) for d in v.shape):
         return "symbolic shape (the BPU needs every dimension at compile time)"
     if v.dtype == torch.bfloat16:
-        return "bfloat16 (no BF16 on the BPU; enable bf16_promotion)"
+        return ("bfloat16 (no BF16 on the BPU; enable bf16_promotion, which computes in "
+                "float32 but leaves table lookups such as embedding on their BF16 table)")
     if v.dtype == torch.int64:
         return "int64 tensor: the BPU has no int64 data path; cast to int32 outside the region"
     if v.dtype == torch.float64:

@@ -78,6 +78,10 @@ def _add_view(weights: dict[str, Weight], n: fx.Node) -> str:
     first would keep one more for the lifetime of the graph)."""
     v = _val(n)
     weights[n.name] = (_ONNX_DTYPE[v.dtype], [int(d) for d in v.shape], lambda: _array(n))
+    src = n.args[0] if n.args else None
+    if isinstance(weights, Weights) and isinstance(src, fx.Node) and src.op == "get_attr" \
+            and _is_cast(n):
+        weights.casts[n.name] = (str(src.target), v.dtype)
     return n.name
 
 
@@ -100,7 +104,15 @@ def _view_value(n: fx.Node) -> torch.Tensor:
 class Weights(dict[str, Weight]):
     """The weights of a model lowered with :func:`lower_weightless`: name -> (ONNX dtype,
     shape, array). :func:`write_weights` puts them in; until then the model's initializers of
-    those names hold dtype and shape only."""
+    those names hold dtype and shape only.
+
+    ``casts`` names the weights that are a plain dtype cast of one attribute of the region
+    (a BF16 weight read as float32): name -> (attribute, dtype). A host executor can make
+    those from the weight itself instead of reading them back from a file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts: dict[str, tuple[str, torch.dtype]] = {}
 
 
 def write_weights(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
@@ -200,15 +212,29 @@ def lower(gm: fx.GraphModule, name: str = "region", opset: int = 18) -> onnx.Mod
 _TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
 
 
+def _is_cast(n: fx.Node) -> bool:
+    """``n`` is a plain dtype cast (``_to_copy(x, dtype=d)`` or ``convert_element_type``)."""
+    if n.target is aten._to_copy.default:
+        return not n.args[1:] and set(n.kwargs) == {"dtype"}
+    return n.target is torch.ops.prims.convert_element_type.default and len(n.args) == 2
+
+
 def _transposed_weight(v: Any) -> fx.Node | None:
     """``W`` when ``v`` is a 2-D transpose (``t``, ``transpose``, ``permute``) of a float32
-    get_attr ``W``, else None."""
+    get_attr ``W`` or of a float32 cast of one (a BF16 weight: the cast is what is written, or
+    made in memory by the host executor, untransposed), else None."""
     if not isinstance(v, fx.Node) or v.op != "call_function" or v.target not in _TRANSPOSES:
         return None
     w = v.args[0]
-    if not isinstance(w, fx.Node) or w.op != "get_attr":
+    if not isinstance(w, fx.Node):
         return None
-    value = _fetch_attr(w)
+    if w.op == "call_function" and _is_cast(w) and isinstance(w.args[0], fx.Node) \
+            and w.args[0].op == "get_attr":
+        value = _val(w)
+    elif w.op == "get_attr":
+        value = _fetch_attr(w)
+    else:
+        return None
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype != torch.float32:
         return None
     if v.target is aten.permute.default and [d % 2 for d in v.args[1]] != [1, 0]:
@@ -241,7 +267,8 @@ def _gemm_nodes(live: set[fx.Node]) -> dict[fx.Node, fx.Node]:
 
 def _gemm_emitter(weights: dict[str, Weight]) -> Callable:
     def emit(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
-        w = _add_weight(weights, _transposed_weight(a["mat2"]))
+        src = _transposed_weight(a["mat2"])
+        w = (_add_weight if src.op == "get_attr" else _add_view)(weights, src)
         if n.target is aten.mm.default:
             return b.op("Gemm", b.t(a["self"], torch.float32), w, transB=1)
         prod = b.op("Gemm", b.t(a["mat1"], torch.float32), w, transB=1)
