@@ -36,7 +36,7 @@ from torch.fx import GraphModule
 
 # 5: host models carry the fused Attention; 4: fast checksums (digest.py) and cached plans;
 # 3: manifests with key
-CACHE_VERSION = "7"
+CACHE_VERSION = "8"
 MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash

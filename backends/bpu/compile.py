@@ -35,6 +35,7 @@ from fxpass.backends.bpu.host import (
     cast_weight,
     fuse_for_ort,
     prepack_helps,
+    saves_prepacked,
     shared_weights,
 )
 from fxpass.backends.bpu.lower import lower
@@ -148,10 +149,13 @@ def _compile_ort(
                       for n in shared if n not in rg.sources},
             "prepack": prepack, "weights": WEIGHTS_SUFFIX}
 
+    save_prepacked = saves_prepacked(proto)
+
     def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
         return OrtExecutor(model, input_names, threads=threads, optimized_path=optimized_path,
                            shared=shared, prepack=prepack,
-                           optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None)
+                           optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None,
+                           save_prepacked=save_prepacked)
 
     def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
         data = write_weights(proto, weights).SerializeToString()

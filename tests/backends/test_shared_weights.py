@@ -281,3 +281,25 @@ def test_cold_session_maps_the_stored_entry_not_a_deleted_build_file(tmp_path, m
     assert _entry_files(tmp_path)["host.bin"].name in maps, "mapped from the cache entry"
     with torch.no_grad():
         torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_weights_are_saved_only_for_the_tested_forms():
+    """onnxruntime 1.31 segfaulted loading a saved Wav2Vec2 region (``If`` subgraphs, Convs)
+    with its prepacked weights (the architecture test caught it); Gemm/MatMul models load."""
+    from onnx import TensorProto, helper
+
+    from fxpass.backends.bpu.host import saves_prepacked
+
+    def model(*nodes):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
+        return helper.make_model(helper.make_graph(list(nodes), "g", [x], [y]))
+
+    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "b", [],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])])
+    gemm = helper.make_node("Gemm", ["x", "x"], ["y"], transB=1)
+    assert saves_prepacked(model(gemm))
+    assert saves_prepacked(model(helper.make_node("MatMul", ["x", "x"], ["y"])))
+    assert not saves_prepacked(model(helper.make_node("Conv", ["x", "x"], ["y"])))
+    assert not saves_prepacked(model(gemm, helper.make_node(
+        "If", ["c"], ["y"], then_branch=branch, else_branch=branch)))
