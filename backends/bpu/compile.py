@@ -202,37 +202,40 @@ def _compile_ort(
                 cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
                 return Compiled(ex, key, False, size, fusions)
         meta["parts"] = parts
-        if cache.put(key, ".host.json", json.dumps(meta).encode()) is not None and (
-                os.path.getsize(os.path.join(tmp, "weights.bin")) >= MIN_SHARED_BYTES):
-            # The session maps the build directory's weights.bin, which is deleted on the way
-            # out: its blocks would stay allocated, unseen by the cache's size bound, for as
-            # long as the model lives. Run from the stored entry instead, as a hit would.
-            ex = _from_stored(ex, stored, mine, input_names, threads, shared, prepack)
+        # The session maps the build directory's weights.bin, which is deleted on the way out:
+        # its blocks would stay allocated, unseen by the cache's size bound, for as long as
+        # the model lives. Run from the stored entry instead, as a hit would.
+        if (cache.put(key, ".host.json", json.dumps(meta).encode()) is not None
+                and os.path.getsize(os.path.join(tmp, "weights.bin")) >= MIN_SHARED_BYTES
+                and _inodes(stored) == mine):
+            ex = None  # release the build's session (its prepacked copy) before the load
+            ex = _from_stored(stored, mine, input_names, threads, shared, prepack)
+            if ex is None:  # replaced meanwhile (or unloadable): build again from ours
+                ex = session(src)
     return Compiled(ex, key, False, size, fusions)
 
 
-def _from_stored(
-    ex: OrtExecutor, stored: dict[str, Any], mine: list[int], input_names: list[str],
-    threads: int | None, shared: dict[str, torch.Tensor], prepack: bool,
-) -> OrtExecutor:
-    """A session over the entry this process just stored, if its files are still the ones it
-    moved there (``mine``: their inodes, before and after the session opened them; entries
-    are replaced only by atomic renames), else ``ex``: another process compiling the same key
-    may have replaced them meanwhile (or the move was a copy), and those are not ours."""
-    def inodes() -> list[int] | None:
-        try:
-            return [os.stat(p).st_ino for p in stored.values()]
-        except OSError:
-            return None
+def _inodes(stored: dict[str, Any]) -> list[int] | None:
+    try:
+        return [os.stat(p).st_ino for p in stored.values()]
+    except OSError:
+        return None
 
-    if inodes() != mine:
-        return ex
+
+def _from_stored(
+    stored: dict[str, Any], mine: list[int], input_names: list[str], threads: int | None,
+    shared: dict[str, torch.Tensor], prepack: bool,
+) -> OrtExecutor | None:
+    """A session over the entry this process just stored, or None unless its files are still
+    the ones it moved there (``mine``: their inodes, checked again once the session has opened
+    them; entries are replaced only by atomic renames): another process compiling the same
+    key may have replaced them meanwhile, and those are not ours to read."""
     try:
         new = OrtExecutor(str(stored[".host.onnx"]), input_names, threads=threads,
                           preoptimized=True, shared=shared, prepack=prepack)
-    except Exception:  # noqa: BLE001 - replaced or evicted meanwhile: keep the one we have
-        return ex
-    return new if inodes() == mine else ex
+    except Exception:  # noqa: BLE001 - replaced or evicted meanwhile: the caller rebuilds
+        return None
+    return new if _inodes(stored) == mine else None
 
 
 def _build_dir(cache: ArtifactCache) -> tempfile.TemporaryDirectory:
