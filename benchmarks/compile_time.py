@@ -210,7 +210,6 @@ STEPS = [  # (label, path substring, function name) of a pstats entry
     ("lower to ONNX", "bpu/lower", "lower"),
     ("host fusions (onnxscript)", "bpu/host.py", "fuse_for_ort"),
     ("weights file (external data)", "lowering/driver.py", "write_weights_external"),
-    ("ORT session (all)", "onnxruntime_inference_collection.py", "_create_inference_session"),
     ("cache write", "bpu/cache.py", "put"),
     ("plan store", "bpu/plan.py", "store"),
     ("splice", "bpu/region.py", "splice"),

@@ -31,6 +31,8 @@ import threading
 import onnx
 import torch
 
+from fxpass.backends.bpu.lowering.driver import Weights
+
 # onnxscript's fusion rules are module-level objects whose matchers keep the current match on
 # the instance, so two threads fusing at once corrupt each other's bindings ("check() missing
 # 1 required positional argument"). Regions compile in a thread pool; the passes take
@@ -100,7 +102,7 @@ _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch
 
 
 def shared_weights(
-    model: onnx.ModelProto, weights: dict, tensors: dict[str, torch.Tensor]
+    model: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Turn the weights onnxruntime can read in place into graph inputs, fed from the
     model's own tensors on every run; take them out of ``weights`` (the lowering's to-write
@@ -118,7 +120,7 @@ def shared_weights(
     file and reading it back. Transposed views stay written (``Gemm(transB=1)`` keeps Linear
     weights untransposed, so the host path has none)."""
     shared = {}
-    casts: dict[str, tuple[str, torch.dtype]] = getattr(weights, "casts", {})
+    casts = weights.casts
     for name in list(weights):
         t, made = tensors.get(name), False
         if t is None and name in casts and casts[name][0] in tensors:

@@ -10,7 +10,7 @@ papered over.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,15 @@ def write_weights(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
     """Fill in the data of ``weights``, each straight into the model's own initializer (a
     TensorProto built elsewhere would be copied once more on the way in), one at a time, so
     at most one weight's transient (a transpose or cast) exists beside the model."""
+    for t, array in _slots(model, weights):
+        t.data_location = onnx.TensorProto.DEFAULT  # in case it was written outside before
+        del t.external_data[:]
+        t.raw_data = array().tobytes()
+    return model
+
+
+def _slots(model: onnx.ModelProto, weights: Weights) -> Iterator[tuple[onnx.TensorProto, Any]]:
+    """(the model's initializer of each weight, made if missing; the weight's array function)."""
     slots = {t.name: t for t in model.graph.initializer if t.name in weights}
     for name, (dtype, shape, array) in weights.items():
         t = slots.get(name)
@@ -126,10 +135,7 @@ def write_weights(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
             t = model.graph.initializer.add()
             t.name, t.data_type = name, dtype
             t.dims.extend(shape)
-        t.data_location = onnx.TensorProto.DEFAULT  # in case it was written outside before
-        del t.external_data[:]
-        t.raw_data = array().tobytes()
-    return model
+        yield t, array
 
 
 #: Offsets of externally written weights are multiples of this: onnxruntime maps a weight
@@ -144,18 +150,11 @@ def write_weights_external(
     relative to the model's own file) and point the model's initializers at it.
 
     Why not :func:`write_weights`: raw data inside the protobuf is a copy of every weight in
-    the message and another in its serialized bytes (1.9 s and two copies of a 400 MB model's
-    weights in the profile of a prefill-sized compile). Here each weight goes from its array to
+    the message and another in its serialized bytes. Here each weight goes from its array to
     the file once, through the page cache, and onnxruntime maps it back page-aligned."""
-    slots = {t.name: t for t in model.graph.initializer if t.name in weights}
     offset = 0
     with open(path, "wb") as f:
-        for name, (dtype, shape, array) in weights.items():
-            t = slots.get(name)
-            if t is None:
-                t = model.graph.initializer.add()
-                t.name, t.data_type = name, dtype
-                t.dims.extend(shape)
+        for t, array in _slots(model, weights):
             a = np.ascontiguousarray(array())
             if a.nbytes == 0:
                 t.raw_data = b""
