@@ -23,6 +23,16 @@ class RegionFallbackWarning(UserWarning):
     """A region could not run on its executor and ran eagerly instead (results stay correct)."""
 
 
+#: onnxruntime's pool threads stop spinning when a run ends (``session.force_spinning_stop``).
+#: Why: between two region calls the CPU runs torch ops (routing, the embedding, cache writes)
+#: and the other regions. A pool left spinning holds a core of this 2-core host: a
+#: mixture-of-experts forward with 5 regions per graph took 188 ms with onnxruntime's default
+#: against 18.8 ms with this (eager: 17.4 ms), and a decode step 10.0 against 8.5 ms
+#: (``python -m benchmarks.spinning``). Within a run the threads still spin between
+#: operators, so one region alone runs as before. Only that benchmark sets it to False.
+STOP_SPINNING = True
+
+
 class OrtExecutor:
     kind = "onnxruntime"
 
@@ -53,6 +63,8 @@ class OrtExecutor:
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
+        if STOP_SPINNING:
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         self.shared = dict(shared or {})
         self._static = {name: t.numpy() for name, t in self.shared.items()}  # views
         if not prepack:

@@ -68,6 +68,15 @@ def qwen3(**kw: Any):
     return _decoder("Qwen3Config", "Qwen3ForCausalLM", **kw)
 
 
+def qwen3_moe(*, experts=8, top_k=2, **kw: Any):
+    """Qwen3-MoE: its routing (``topk``, ``sort``, ``histc``, indexing by the routed tokens) is
+    data-dependent and stays on the CPU, so each layer is several regions with torch between."""
+    kw.setdefault("head_dim", kw.get("hidden", 64) // kw.get("heads", 4))
+    kw.setdefault("moe_intermediate_size", kw.get("hidden", 64) // 2)
+    return _decoder("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=experts,
+                    num_experts_per_tok=top_k, **kw)
+
+
 def llama(**kw: Any):
     return _decoder("LlamaConfig", "LlamaForCausalLM", **kw)
 
@@ -148,6 +157,7 @@ def mlp(*, d=128, h=256, tokens=8, dtype=torch.bfloat16, **_: Any):
 
 MODELS: dict[str, Factory] = {
     "qwen3": qwen3,
+    "qwen3-moe": qwen3_moe,
     "llama": llama,
     "mistral": mistral,
     "gpt2": gpt2,
