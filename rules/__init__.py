@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fxpass.rule import Rule
 from fxpass.rules.alias import alias_removal
+from fxpass.rules.amax_pool import amax_to_max_pool
 from fxpass.rules.as_strided import as_strided_view
 from fxpass.rules.bf16_promotion import bf16_cast_cancel, bf16_promotion
 from fxpass.rules.clamp import clamp_to_hardtanh
@@ -20,6 +21,7 @@ from fxpass.rules.functional_copy import functional_copy
 from fxpass.rules.group_norm import group_norm
 from fxpass.rules.index_put import index_put_to_copy
 from fxpass.rules.kv_cache import kv_cache_update
+from fxpass.rules.max_dim import max_dim_values
 from fxpass.rules.reductions import sum_to_mean, vector_norm
 from fxpass.rules.roll import roll_to_cat
 from fxpass.rules.safe_softmax import safe_softmax
@@ -41,6 +43,8 @@ ALL = (
     roll_to_cat,
     stack_to_cat,
     unbind_to_select,
+    max_dim_values,
+    amax_to_max_pool,
     constant_pad,
     group_norm,
     vector_norm,

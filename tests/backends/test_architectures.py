@@ -17,6 +17,7 @@ from benchmarks.architectures import one
         ("MobileNetV2", 0, 1),  # constant_pad: TF-style padding (forward)
         ("ModernBert", 0, 1),   # unbind_to_select (forward)
         ("Wav2Vec2", 0, 1),     # group_norm, weight norm folded through getitem (forward)
+        ("Hiera", 0, 1),        # max_dim_values, amax_to_max_pool: mask-unit max pooling
     ],
 )
 def test_family_is_one_region_per_graph_and_matches_eager(family, new_tokens, graphs):

@@ -7,7 +7,14 @@ import torch
 from hypothesis import strategies as st
 
 from fxpass import PassManager
-from fxpass.rules import constant_folding, constant_pad, group_norm, unbind_to_select
+from fxpass.rules import (
+    amax_to_max_pool,
+    constant_folding,
+    constant_pad,
+    group_norm,
+    max_dim_values,
+    unbind_to_select,
+)
 from fxpass.testing import T, check_rule, traced_graphs
 
 aten = torch.ops.aten
@@ -136,3 +143,67 @@ def test_as_strided_view_leaves_real_restrides_alone():
         with FakeTensorMode() as mode:
             gm = make_fx(fn)(mode.from_tensor(torch.empty(2, 2)))
         assert not PassManager([as_strided_view], check=True).run(gm).rewrites
+
+
+@st.composite
+def _max_dim_cases(draw):
+    rank = draw(st.integers(0, 4))
+    shape = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.int64]))
+    d = draw(st.integers(-max(rank, 1), max(rank, 1) - 1))
+    return [T(shape, dtype)], {"d": d, "keep": draw(st.booleans()),
+                               "op": draw(st.sampled_from(["max", "min"]))}
+
+
+def test_max_dim_values_property():
+    # values only: both max and min, keepdim both ways, 0-d inputs, NaN/inf/-0 special values
+    fired = check_rule(
+        max_dim_values,
+        traced_graphs(lambda x, d, keep, op: getattr(torch, op)(x * 1, d, keep).values + 0,
+                      _max_dim_cases()),
+        max_examples=60,
+    )
+    assert fired >= 40
+
+
+def test_max_dim_values_leaves_read_indices_alone():
+    # the indices are an int64 argmax: the tuple must stay (also when the values are read too)
+    fired = check_rule(
+        max_dim_values,
+        traced_graphs(lambda x, d, keep, op: getattr(torch, op)(x * 1, d, keep),
+                      _max_dim_cases()),
+        must_fire=False, max_examples=20,
+    )
+    assert fired == 0
+
+
+@st.composite
+def _amax_cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    dims = draw(st.lists(st.integers(-rank, rank - 1), min_size=1, max_size=rank,
+                         unique_by=lambda d: d % rank))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16]))
+    return [T(shape, dtype)], {"dims": dims, "keep": draw(st.booleans()),
+                               "op": draw(st.sampled_from(["amax", "amin"]))}
+
+
+def test_amax_to_max_pool_property():
+    # one and several dims (negative too), keepdim both ways, amin, NaN/inf/-0 special values
+    fired = check_rule(
+        amax_to_max_pool,
+        traced_graphs(lambda x, dims, keep, op: getattr(torch, op)(x * 1, dims, keep) + 0,
+                      _amax_cases()),
+        max_examples=60,
+    )
+    assert fired >= 50
+
+
+def test_amax_to_max_pool_skips_integers_and_full_reductions():
+    fired = check_rule(
+        amax_to_max_pool,
+        traced_graphs(lambda x, i: (torch.amax(x * 1) + 0, torch.amax(i + 1, -1) + 0),
+                      st.just([T((3, 4)), T((3, 4), torch.int64)]).map(lambda s: (s, {}))),
+        must_fire=False, max_examples=5,
+    )
+    assert fired == 0
