@@ -19,14 +19,17 @@ from fxpass.rules.cse import cse
 from fxpass.rules.erf_gelu import erf_gelu, erf_gelu_scaled
 from fxpass.rules.functional_copy import functional_copy
 from fxpass.rules.group_norm import group_norm
+from fxpass.rules.im2col import im2col_to_slices
 from fxpass.rules.index_put import index_put_to_copy
 from fxpass.rules.kv_cache import kv_cache_update
 from fxpass.rules.max_dim import max_dim_values
+from fxpass.rules.new_full import new_full
 from fxpass.rules.reductions import sum_to_mean, vector_norm
 from fxpass.rules.roll import roll_to_cat
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
 from fxpass.rules.sdpa import sdpa_decomposition
+from fxpass.rules.slice_scatter import slice_scatter_to_cat
 from fxpass.rules.stack import stack_to_cat
 from fxpass.rules.unbind import unbind_to_select
 
@@ -45,6 +48,9 @@ ALL = (
     unbind_to_select,
     max_dim_values,
     amax_to_max_pool,
+    slice_scatter_to_cat,
+    new_full,
+    im2col_to_slices,
     constant_pad,
     group_norm,
     vector_norm,

@@ -1,8 +1,9 @@
 """constant_index: indexing with constant positions -> slices, strided slices, repeats, cat.
 
-Before -> after: ``index(x, [None] * d + [c0, c1, ...])`` (also ``_unsafe_index``) with constant
-integer positions on consecutive dims, each varying along its own axis (an outer product:
-``x[:, :, rows[:, None], cols]``), becomes one gather per dim, each the cheapest of:
+Before -> after: ``index(x, [None] * d + [c0, c1, ...])`` (also ``_unsafe_index``, and
+``index_select(x, d, c)``) with constant integer positions on consecutive dims, each varying
+along its own axis (an outer product: ``x[:, :, rows[:, None], cols]``), becomes one gather per
+dim, each the cheapest of:
 
 - a run ``[a, a+1, ..., b-1]`` -> ``slice(x, d, a, b)``;
 - a stride ``[a, a+s, a+2s, ...]`` -> ``slice(x, d, a, ..., s)`` (nearest downsampling);
@@ -13,14 +14,15 @@ integer positions on consecutive dims, each varying along its own axis (an outer
 Why: advanced indexing is on no accelerator's operator list, but it is how literals and
 resampling reach the graph: Falcon splits its fused QKV with ``qkv[..., [-2]]`` in every layer,
 and ``nn.Upsample(mode="nearest")`` (every FPN / U-Net / YOLO neck, MobileViT) decomposes to
-``_unsafe_index`` with constant row and column positions. Each split the region. Slices, cat,
+``_unsafe_index`` with constant row and column positions; XLNet's relative-position shift is
+``index_select`` with a folded ``arange``. Each split the region. Slices, cat,
 expand and reshape are on every list.
 
 Exact: the same elements in the same order. Does not fire when: a position is not a constant,
 or a boolean mask; indexed dims are not consecutive (advanced indexing then moves them first);
 an index varies along another index's axis (not an outer product); a position is out of range
-(eager raises, so the graph keeps the op that raises); a dim's positions fit none of the forms
-above; shapes are symbolic.
+(eager raises, so the graph keeps the op that raises; ``index_select`` takes no negative ones);
+a dim's positions fit none of the forms above; shapes are symbolic; a 0-d ``index_select``.
 """
 
 from __future__ import annotations
@@ -95,10 +97,18 @@ def _gather(rw, x, d: int, shape: list[int], pos: list[int], form: tuple[str, in
     return rw.call(aten.cat.default, parts, d), True
 
 
-@rule(aten.index.Tensor, aten._unsafe_index.Tensor, name="constant_index")
+@rule(aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default,
+      name="constant_index")
 def constant_index(node, rw) -> bool:
     """Constant positions on consecutive dims (an outer product) -> one gather per dim."""
-    x, indices = node.args
+    select = node.target is aten.index_select.default
+    if select:  # index_select(x, d, i) is x[(:,) * d + (i,)], without negative positions
+        x, d, i = node.args[:3]
+        if rw.val(x).dim() == 0:
+            return rw.skip("a 0-d input")
+        indices = [None] * (d % rw.val(x).dim()) + [i]
+    else:
+        x, indices = node.args
     used = [i for i, t in enumerate(indices) if t is not None]
     if not used:
         return rw.skip("no indexed dim")
@@ -121,7 +131,7 @@ def constant_index(node, rw) -> bool:
             return rw.skip("an index varies along another index's axis (not an outer product)")
         n = shape[d]
         pos = c.reshape(-1).tolist()
-        if any(p < -n or p >= n for p in pos):
+        if any(p < (0 if select else -n) or p >= n for p in pos):
             return rw.skip("a position out of range (eager raises; kept so it still does)")
         pos = [p % n for p in pos]
         form = _form(pos)

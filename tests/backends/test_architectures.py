@@ -18,6 +18,9 @@ from benchmarks.architectures import one
         ("ModernBert", 0, 1),   # unbind_to_select (forward)
         ("Wav2Vec2", 0, 1),     # group_norm, weight norm folded through getitem (forward)
         ("Hiera", 0, 1),        # max_dim_values, amax_to_max_pool: mask-unit max pooling
+        ("XLNet", 0, 1),        # constant_index on index_select: the relative-position shift
+        ("Funnel", 0, 1),       # slice_scatter_to_cat (gapped bases), new_full
+        ("ConvBert", 0, 1),     # im2col_to_slices: span-based dynamic convolution
     ],
 )
 def test_family_is_one_region_per_graph_and_matches_eager(family, new_tokens, graphs):

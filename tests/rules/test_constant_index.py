@@ -34,6 +34,33 @@ def test_constant_index_property():
     assert fired >= 40
 
 
+@st.composite
+def _select_cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(rank))
+    d = draw(st.integers(-rank, rank - 1))
+    n = shape[d]
+    # runs (XLNet's arange), strides, repeats, any order; index_select has no negative positions
+    pos = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=6))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+    return [T(shape, dtype)], {"d": d, "pos": pos}
+
+
+def test_constant_index_select_property():
+    fired = check_rule(
+        constant_index,
+        traced_graphs(lambda x, d, pos: torch.index_select(x * 2, d, torch.tensor(pos)),
+                      _select_cases()),
+        max_examples=60,
+    )
+    assert fired >= 40
+
+
+def test_index_select_with_a_negative_position_is_left_to_raise():
+    gm = trace(lambda x: torch.index_select(x, 0, torch.tensor([0, -1])), torch.empty(4))
+    assert _fired(gm) == 0
+
+
 
 
 def _fired(gm) -> int:

@@ -12,10 +12,13 @@ from fxpass.rules import (
     constant_folding,
     constant_pad,
     group_norm,
+    im2col_to_slices,
     max_dim_values,
+    new_full,
+    slice_scatter_to_cat,
     unbind_to_select,
 )
-from fxpass.testing import T, check_rule, traced_graphs
+from fxpass.testing import T, check_rule, trace, traced_graphs
 
 aten = torch.ops.aten
 
@@ -207,3 +210,106 @@ def test_amax_to_max_pool_skips_integers_and_full_reductions():
         must_fire=False, max_examples=5,
     )
     assert fired == 0
+
+
+@st.composite
+def _slice_scatter_cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = [draw(st.integers(1, 5)) for _ in range(rank)]
+    d = draw(st.integers(-rank, rank - 1))
+    n = shape[d]
+    start = draw(st.one_of(st.none(), st.integers(-n - 1, n + 1)))
+    end = draw(st.one_of(st.none(), st.integers(-n - 1, n + 1), st.just(2**63 - 1)))
+    a = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
+    b = n if end is None else min(max(end + n if end < 0 else end, 0), n)
+    src = list(shape)
+    src[d] = max(b - a, 0)
+    layout = draw(st.sampled_from(["contiguous", "transposed", "gapped"]))
+    dtype = draw(st.sampled_from([torch.float32, torch.int64]))
+    base = list(shape)
+    if layout == "gapped":  # base is a slice of a wider tensor: its layout has gaps
+        base[-1] += 2
+    return [T(tuple(base), dtype), T(tuple(src), dtype)], {
+        "d": d, "start": start, "end": end, "layout": layout, "n_last": shape[-1]}
+
+
+def _slice_scatter(x, y, d, start, end, layout, n_last):
+    base = x * 1
+    if layout == "transposed":  # dense but permuted: the rewrite must keep these strides
+        base = base.transpose(0, -1).contiguous().transpose(0, -1)
+    elif layout == "gapped":
+        base = base[..., :n_last]
+    return torch.slice_scatter(base, y * 1, d, start, end) * 2
+
+
+def test_slice_scatter_to_cat_property():
+    # negative, None and out-of-range bounds, empty writes, whole-dim writes, three layouts
+    fired = check_rule(
+        slice_scatter_to_cat,
+        traced_graphs(_slice_scatter, _slice_scatter_cases()),
+        max_examples=80,
+    )
+    assert fired >= 50
+
+
+def test_slice_scatter_keeps_strides_it_cannot_give_a_reader():
+    # a gapped result returned as a graph output keeps eager's strides: left alone
+    fired = check_rule(
+        slice_scatter_to_cat,
+        traced_graphs(
+            lambda x, y: torch.slice_scatter((x * 1)[:, :3], y * 1, 1, 0, 1),
+            st.just(([T((2, 5)), T((2, 1))], {})),
+        ),
+        must_fire=False, max_examples=3,
+    )
+    assert fired == 0
+    gm = trace(lambda x, y: torch.slice_scatter((x * 1).t(), y * 1, 0, 1, 2),
+               torch.empty(2, 3), torch.empty(1, 2))
+    PassManager([slice_scatter_to_cat]).run(gm)
+    x, y = torch.randn(2, 3), torch.randn(1, 2)
+    want = torch.slice_scatter(x.t() * 1, y, 0, 1, 2)
+    got = gm(x, y)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_new_full_property():
+    fired = check_rule(
+        new_full,
+        traced_graphs(
+            lambda x, kind: {"ones": x.new_ones((2, 3)), "zeros": x.new_zeros((4,)),
+                             "full": x.new_full((3, 1), 2.5),
+                             "dtype": x.new_ones((2,), dtype=torch.int32)}[kind] + x.sum(),
+            st.tuples(st.sampled_from([torch.float32, torch.float16, torch.int64]),
+                      st.sampled_from(["ones", "zeros", "full", "dtype"]))
+            .map(lambda c: ([T((2, 2), c[0])], {"kind": c[1]})),
+        ),
+        max_examples=20,
+    )
+    assert fired >= 10
+
+
+@st.composite
+def _unfold_cases(draw):
+    k = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    dil = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    pad = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    st_ = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    # big enough for at least one output position
+    h = draw(st.integers(max(1, dil[0] * (k[0] - 1) + 1 - 2 * pad[0]), 7))
+    w = draw(st.integers(max(1, dil[1] * (k[1] - 1) + 1 - 2 * pad[1]), 7))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), h, w)
+    return [T(shape, dtype)], {"k": k, "dil": dil, "pad": pad, "st": st_}
+
+
+def test_im2col_to_slices_property():
+    # kernels, dilations, paddings and strides; every output position and channel order
+    fired = check_rule(
+        im2col_to_slices,
+        traced_graphs(lambda x, k, dil, pad, st: torch.nn.functional.unfold(
+            x * 1, k, dilation=dil, padding=pad, stride=st) * 2, _unfold_cases()),
+        with_rules=[constant_pad],
+        max_examples=60,
+    )
+    assert fired >= 50
