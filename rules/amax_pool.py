@@ -9,10 +9,11 @@ Why: the BPU reduces a max only through its pooling unit (``max_pool2d`` is on i
 (``x.max(dim=...).values``, made ``amax`` by ``max_dim_values``), global max pooling written as
 ``amax``. A BPU-target rule: another device with a max reduction keeps ``amax``.
 
-Exact: a window's max is the max of its elements, NaN propagates (the lowering's max-pool keeps
-aten's NaN semantics), negation is exact. Float dtypes only (pooling has no int64 path); not a
-0-d input or a full reduction over no dims, not an empty input, window at most 65535 (the
-BPU pool limit).
+Exact up to the sign of a zero: a window's max is the max of its elements, NaN propagates (the
+lowering's max-pool keeps aten's NaN semantics), negation is exact; on a tie of ``-0.0`` and
+``0.0`` (equal numbers) the pool may keep the other one. Float dtypes only (pooling has no
+int64 path); not a 0-d input or a full reduction over no dims, not an empty input, window at
+most 65535 (the BPU pool limit).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 
 from fxpass import rule
+from fxpass.graph import bind_args
 from fxpass.rules._util import aten
 
 MAX_WINDOW = 65535  # FACTS.md: pool reduce axis size in [1, 65535]
@@ -43,9 +45,8 @@ def _pool_max(x, dims: tuple[int, ...], keepdim: bool, negate: bool):
       targets=["bpu"])
 def amax_to_max_pool(node, rw) -> bool:
     """amax/amin over dims -> max_pool2d over a [1, M, 1, K] view."""
-    x = node.args[0]
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    a = bind_args(node)
+    x, dims, keepdim = a["self"], a["dim"], a["keepdim"]
     if not rw.static(x):
         return False
     v = rw.val(x)

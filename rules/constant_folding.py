@@ -20,7 +20,8 @@ the cast of a whole table per call would cost more than the copy.
 Does not fire when: the result is much larger than its inputs (``FXPASS_FOLD_MAX_GROWTH``
 times, default 64, and more than ``FXPASS_FOLD_MIN_BYTES``, default 4 MiB; e.g. a broadcast
 ``expand``): the fold is refused and the report says so; an op is random, mutating or
-uninitialized (``empty``); the shape is symbolic.
+uninitialized (``empty``); the shape is symbolic; the value is a graph output (the caller may
+write to it, and a folded constant would be one tensor shared by every call).
 
 The two limits are read (and validated, by :mod:`fxpass.env`) each time the rule runs, not at
 import: a bad value is then an error naming the variable when a graph is compiled, not an
@@ -173,6 +174,11 @@ def constant_folding(gm, rw):
                 continue
             if _weight_view(n):
                 rw.skip("a layout/dtype view of one weight, left to the backend (not worth a copy)")
+                continue
+            if any(u.op == "output" for u in n.users):
+                # the caller owns a returned tensor and may write to it: a folded constant
+                # would be one tensor shared by every call (x.new_zeros(4) returned, then +=)
+                rw.skip(f"{n.name}: returned by the graph, so computed fresh on every call")
                 continue
             out = _nbytes(n.meta["val"])
             if out > min_bytes and out > max_growth * max(leaf_bytes[n], 1):

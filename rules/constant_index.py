@@ -32,6 +32,7 @@ import math
 import torch
 
 from fxpass import rule
+from fxpass.graph import bind_args
 from fxpass.rules._util import aten, fresh, literal
 
 MAX_RUNS = 8
@@ -92,7 +93,7 @@ def _gather(rw, x, d: int, shape: list[int], pos: list[int], form: tuple[str, in
         up = rw.call(aten.expand.default, rw.call(aten.unsqueeze.default, src, d + 1), wide)
         out = list(shape)
         out[d] = len(pos)
-        return rw.call(aten.reshape.default, up, out), True
+        return rw.call(aten.reshape.default, up, out), m > 1  # m == 1: a stride-0 view
     parts = [rw.call(aten.slice.Tensor, x, d, a, b) for a, b in _runs(pos)]
     return rw.call(aten.cat.default, parts, d), True
 
@@ -103,7 +104,8 @@ def constant_index(node, rw) -> bool:
     """Constant positions on consecutive dims (an outer product) -> one gather per dim."""
     select = node.target is aten.index_select.default
     if select:  # index_select(x, d, i) is x[(:,) * d + (i,)], without negative positions
-        x, d, i = node.args[:3]
+        args = bind_args(node)
+        x, d, i = args["self"], args["dim"], args["index"]
         if rw.val(x).dim() == 0:
             return rw.skip("a 0-d input")
         indices = [None] * (d % rw.val(x).dim()) + [i]
@@ -146,5 +148,9 @@ def constant_index(node, rw) -> bool:
         out, new = _gather(rw, out, d, shape, pos, form)
         copied |= new
         shape[d] = len(pos)
-    rw.replace(node, out if copied else fresh(rw, node, out))
+    # a view of x, or a cat that kept x's channels-last format, is made a new tensor laid out
+    # as the op's result (later views were traced against those strides)
+    if not copied or rw.val(out).stride() != rw.val(node).stride():
+        out = fresh(rw, node, out)
+    rw.replace(node, out)
     return True

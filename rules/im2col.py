@@ -10,7 +10,8 @@ ConvBERT's span-based dynamic convolution unfolds its keys in every layer (3 reg
 forward); ``nn.Unfold`` patch embeddings do the same.
 
 Exact: pure data movement, the same elements in the same order (the pad is zeros, as
-im2col's). Left alone: symbolic shapes, unbatched (3-D) input, more than ``MAX_TAPS`` taps.
+im2col's). Left alone: symbolic shapes, unbatched (3-D) input, more than ``MAX_TAPS`` taps,
+integer inputs (eager's im2col raises on them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from fxpass import rule
+from fxpass.graph import bind_args
 from fxpass.rules._util import aten
 
 MAX_TAPS = 64
@@ -44,10 +46,14 @@ def _unfold(x, k: tuple, dil: tuple, pad: tuple, st: tuple):
 @rule(aten.im2col.default, name="im2col_to_slices")
 def im2col_to_slices(node, rw) -> bool:
     """im2col -> pad, one strided slice per kernel tap, cat, reshape."""
-    x, k, dil, pad, st = (tuple(a) if isinstance(a, (list, tuple)) else a for a in node.args[:5])
+    a = bind_args(node)
+    x = a["self"]
+    k, dil, pad, st = (tuple(a[n]) for n in ("kernel_size", "dilation", "padding", "stride"))
     if not rw.static(x):
         return False
     v = rw.val(x)
+    if not v.dtype.is_floating_point:
+        return rw.skip(f"a {v.dtype} input (eager's im2col raises on it; kept so it still does)")
     if v.dim() != 4:
         return rw.skip("an unbatched (3-D) input")
     if k[0] * k[1] > MAX_TAPS:

@@ -5,9 +5,10 @@ accelerator's list, so the whole tuple stays on the CPU even when only the value
 Hiera's mask-unit pooling (``x.max(dim=...).values``) split every stage's region this way.
 ``amax``/``amin`` are the BPU's ReduceMax/ReduceMin.
 
-Exact: both reduce with the same comparison (NaN propagates, the first of equal values wins, so
-``-0.0``/``0.0`` ties keep the same element). Fires only when every user reads element 0 (the
-values); a graph that reads the indices keeps ``max.dim``.
+Exact up to the sign of a zero: both propagate NaN and give the same value, but on a tie of
+``-0.0`` and ``0.0`` (equal numbers) the two kernels may pick different ones, as eager's own
+``max`` and ``amax`` do. Fires only when every user reads element 0 (the values); a graph that
+reads the indices keeps ``max.dim``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import operator
 
 from fxpass import rule
+from fxpass.graph import bind_args
 from fxpass.rules._util import aten
 
 _REDUCE = {aten.max.dim: aten.amax.default, aten.min.dim: aten.amin.default}
@@ -23,8 +25,8 @@ _REDUCE = {aten.max.dim: aten.amax.default, aten.min.dim: aten.amin.default}
 @rule(aten.max.dim, aten.min.dim, name="max_dim_values")
 def max_dim_values(node, rw) -> bool:
     """The values of a max/min over one dim, when nobody reads the indices."""
-    x, d = node.args[:2]
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    a = bind_args(node)
+    x, d, keepdim = a["self"], a["dim"], a["keepdim"]
     users = list(node.users)
     if not users or any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
         return rw.skip("the indices are read (or the whole tuple is used)")

@@ -9,15 +9,18 @@ Exact: the same elements in the same places, a new tensor like ``slice_scatter``
 only (a strided write interleaves; left alone); ``src`` must be exactly the written slice (the
 same dtype, the slice's shape); the result keeps ``slice_scatter``'s strides (the ``cat`` runs
 in its memory order, permuted back). Where ``base`` had gaps (a slice of a larger tensor, as in
-Funnel) the result is contiguous instead, which every later view accepts; that is left alone
-if a graph output or an ``as_strided`` reads those strides. Symbolic shapes are left alone.
+Funnel) the result is contiguous instead, only when its sole readers are views and then
+``slice_scatter`` sources (any view of a contiguous tensor is valid; a source's layout does not
+reach the result); otherwise it is left alone. Symbolic shapes are left alone.
 """
 
 from __future__ import annotations
 
+import torch
+
 from fxpass import rule
-from fxpass.graph import is_view
-from fxpass.rules._util import aten, fresh
+from fxpass.graph import bind_args
+from fxpass.rules._util import aten
 
 
 def _bound(v: int | None, n: int, default: int) -> int:
@@ -27,25 +30,41 @@ def _bound(v: int | None, n: int, default: int) -> int:
     return min(max(v + n if v < 0 else v, 0), n)
 
 
-def _strides_unread(node) -> bool:
-    """No graph output and no ``as_strided`` sees ``node``'s strides (through views of it):
-    a contiguous tensor of the same values then serves every user."""
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def _layout_free(node) -> bool:
+    """Nothing downstream depends on ``node``'s strides: each user is a view (any view of a
+    contiguous tensor is valid) whose users are again such views, or a ``slice_scatter``
+    writing it as ``src`` (its result takes ``base``'s layout). Elementwise ops, permutes and
+    outputs would carry the layout on, so they are not."""
     for u in node.users:
-        if u.op == "output" or u.target is aten.as_strided.default:
-            return False
-        if u.op == "call_function" and is_view(u.target) and not _strides_unread(u):
+        if u.op == "call_function" and u.target in _VIEWS:
+            if not _layout_free(u):
+                return False
+        elif not (u.op == "call_function" and u.target is aten.slice_scatter.default
+                  and u.args[1] is node and u.args[0] is not node):
             return False
     return True
+
+
+def _cat_is_contiguous(base, src, d: int, a: int, b: int) -> bool:
+    """cat follows its inputs' memory format when they all suggest the same one (channels
+    last, say); the rewrite needs a contiguous cat. Checked on the fake values."""
+    parts = [base[(slice(None),) * d + (slice(0, a),)]] if a > 0 else []
+    parts += [src] + ([base[(slice(None),) * d + (slice(b, None),)]] if b < base.shape[d] else [])
+    if len(parts) == 1:
+        return True  # a whole-dim write: a contiguous clone
+    with base.fake_mode:
+        return torch.cat(parts, d).is_contiguous()
 
 
 @rule(aten.slice_scatter.default, name="slice_scatter_to_cat")
 def slice_scatter_to_cat(node, rw) -> bool:
     """A contiguous slice written into a copy of base -> base's two outer slices around src."""
-    base, src = node.args[:2]
-    rest = list(node.args[2:]) + [None] * (4 - len(node.args[2:]))
-    d, start, end, step = (node.kwargs.get(k, v) for k, v in
-                           zip(("dim", "start", "end", "step"), rest, strict=True))
-    d, step = d or 0, step or 1
+    args = bind_args(node)
+    base, src, d, start, end, step = (args[k] for k in ("self", "src", "dim", "start", "end",
+                                                         "step"))
     if not rw.static(base, src):
         return False
     vb, vs = rw.val(base), rw.val(src)
@@ -56,8 +75,8 @@ def slice_scatter_to_cat(node, rw) -> bool:
     vo = rw.val(node)  # slice_scatter keeps base's layout; later views were traced against it
     order = sorted(range(vo.dim()), key=lambda i: (-vo.stride(i), i))
     if not vo.permute(order).is_contiguous():  # base had gaps (a slice of a larger tensor)
-        if not _strides_unread(node):
-            return rw.skip("a result with gaps in its layout that an output or as_strided reads")
+        if not _layout_free(node):
+            return rw.skip("a result with gaps in its layout whose strides a later op carries on")
         order = list(range(vo.dim()))  # contiguous: every view traced on it stays valid
     d %= vb.dim()
     n = vb.shape[d]
@@ -65,17 +84,17 @@ def slice_scatter_to_cat(node, rw) -> bool:
     b = max(_bound(end, n, n), a)
     if list(vs.shape) != [*vb.shape[:d], b - a, *vb.shape[d + 1:]]:
         return rw.skip("src is not the written slice's shape")
-    if a == 0 and b == n:
-        rw.replace(node, fresh(rw, node, src))
-        return True
     # cat in the result's memory order (a contiguous cat, permuted back), so the strides match
     perm = order != list(range(vo.dim()))
+    if not _cat_is_contiguous(vb.permute(order), vs.permute(order), order.index(d), a, b):
+        return rw.skip("cat would pick another memory format (channels-last inputs)")
     if perm:
         base, src = (rw.call(aten.permute.default, t, order) for t in (base, src))
         d = order.index(d)
     parts = ([rw.call(aten.slice.Tensor, base, d, 0, a)] if a > 0 else []) + [src] + (
         [rw.call(aten.slice.Tensor, base, d, b, n)] if b < n else [])
-    out = rw.call(aten.cat.default, parts, d)
+    out = (rw.call(aten.cat.default, parts, d) if len(parts) > 1 else  # a whole-dim write
+           rw.call(aten.clone.default, src, memory_format=torch.contiguous_format))
     if perm:
         out = rw.call(aten.permute.default, out, sorted(range(len(order)), key=order.__getitem__))
     rw.replace(node, out)

@@ -151,3 +151,26 @@ def test_nearest_upsampling_between_convs_is_one_region():
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     report = fxpass.compile_reports()[-1]
     assert len(report.regions) == 1, str(report)
+
+
+@pytest.mark.parametrize("case", ["one position repeated", "runs of a channels-last input"])
+def test_result_is_a_new_tensor_laid_out_as_eager(case):
+    # found by review: [2, 2, 2] became a stride-0 view of x (aliasing it; a later view
+    # raised), and a cat of a channels-last input kept channels-last where eager's is contiguous
+    if case == "one position repeated":
+        fn, x = (lambda x: torch.index_select(x * 1, 0, torch.tensor([2, 2, 2]))), torch.randn(4, 5)
+    else:
+        fn = lambda x: torch.index_select(  # noqa: E731
+            x.contiguous(memory_format=torch.channels_last) * 1, 1, torch.tensor([0, 1, 4, 5]))
+        x = torch.randn(2, 6, 3, 3)
+    gm = trace(lambda x: fn(x).view(-1) * 1, torch.empty_like(x))
+    assert _fired(gm) == 1
+    got = gm(x)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    assert torch.equal(got, fn(x).reshape(-1) * 1)
+    gm2 = trace(fn, torch.empty_like(x))
+    PassManager([constant_index]).run(gm2)
+    out = gm2(x)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    assert out.stride() == fn(x).stride() and out.untyped_storage().data_ptr() != \
+        x.untyped_storage().data_ptr()

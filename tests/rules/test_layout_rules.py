@@ -3,6 +3,7 @@ that split MobileNetV2, Swin, ModernBERT and wav2vec2 into several regions."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -313,3 +314,55 @@ def test_im2col_to_slices_property():
         max_examples=60,
     )
     assert fired >= 50
+
+
+def _run_both(fn, rules, *inputs):
+    """(eager result, rewritten graph's result) on real inputs."""
+    gm = trace(fn, *(torch.empty_like(t) for t in inputs))
+    PassManager(rules, check=True).run(gm)
+    got = gm(*inputs)
+    return fn(*inputs), (got[0] if isinstance(got, (tuple, list)) else got)
+
+
+@pytest.mark.parametrize("case", ["whole-dim permuted", "gapped permuted", "gapped then mul",
+                                  "chained, as_strided reader"])
+def test_slice_scatter_keeps_layouts_later_ops_read(case):
+    # found by review: each of these raised (view / as_strided) or changed strides
+    x, y = torch.randn(2, 3, 4), torch.randn(3, 1, 2)
+    fns = {
+        "whole-dim permuted": (lambda x, y: torch.slice_scatter(
+            (x * 1)[0].t(), y[:, 0].t().repeat(2, 1)[:4, :3] * 1, 0).t().reshape(-1) * 1,
+            (torch.randn(2, 3, 4), torch.randn(3, 1, 2))),
+        "gapped permuted": (lambda x, y: torch.slice_scatter(
+            (x * 1).permute(2, 1, 0)[:3], y * 1, 1, 0, 1).permute(2, 1, 0).view(6, 3) + 0,
+            (x, y)),
+        "gapped then mul": (lambda x, y: (torch.slice_scatter(
+            (x * 1).permute(2, 1, 0)[:3], y * 1, 1, 0, 1) * 2).permute(2, 1, 0).view(6, 3),
+            (x, y)),
+        "chained, as_strided reader": (lambda x, y: torch.as_strided(torch.slice_scatter(
+            torch.slice_scatter((x * 1)[:, :3], y * 1, 1, 0, 1), y * 2, 1, 2, 3),
+            (2, 2), (5, 1), 1) + 0, (torch.randn(2, 5), torch.randn(2, 1))),
+    }
+    fn, inputs = fns[case]
+    want, got = _run_both(fn, [slice_scatter_to_cat], *inputs)
+    assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+def test_folded_values_the_graph_returns_are_fresh_each_call():
+    # found by review: x.new_zeros(4) returned, folded to a module constant: the caller's
+    # in-place += then showed up in every later call's result
+    gm = trace(lambda x: (x.new_zeros(4), torch.zeros(3), x * 2), torch.empty(4))
+    PassManager([new_full, constant_folding], check=True).run(gm)
+    x = torch.randn(4)
+    a, z, _ = gm(x)
+    a += 1
+    z += 1
+    b, w, _ = gm(x)
+    assert torch.equal(b, torch.zeros(4)) and torch.equal(w, torch.zeros(3))
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_im2col_left_to_raise_on_integers():
+    gm = trace(lambda x: torch.nn.functional.unfold(x, 2) * 1,
+               torch.empty(1, 1, 3, 3, dtype=torch.int64))
+    assert "im2col_to_slices" not in PassManager([im2col_to_slices]).run(gm).rewrites
