@@ -48,14 +48,18 @@ def _layout_free(node) -> bool:
     return True
 
 
-def _cat_is_contiguous(base, src, d: int, a: int, b: int) -> bool:
+def _parts(base, src, d: int, a: int, b: int, n: int, take) -> list:
+    """``[base[a-before], src, base[b-after]]`` along ``d``, empty sides dropped; ``take(t, lo,
+    hi)`` slices (fake values for the check below, graph nodes for the rewrite)."""
+    return ([take(base, 0, a)] if a > 0 else []) + [src] + ([take(base, b, n)] if b < n else [])
+
+
+def _cat_is_contiguous(parts: list, d: int) -> bool:
     """cat follows its inputs' memory format when they all suggest the same one (channels
     last, say); the rewrite needs a contiguous cat. Checked on the fake values."""
-    parts = [base[(slice(None),) * d + (slice(0, a),)]] if a > 0 else []
-    parts += [src] + ([base[(slice(None),) * d + (slice(b, None),)]] if b < base.shape[d] else [])
     if len(parts) == 1:
         return True  # a whole-dim write: a contiguous clone
-    with base.fake_mode:
+    with parts[0].fake_mode:
         return torch.cat(parts, d).is_contiguous()
 
 
@@ -85,14 +89,15 @@ def slice_scatter_to_cat(node, rw) -> bool:
     if list(vs.shape) != [*vb.shape[:d], b - a, *vb.shape[d + 1:]]:
         return rw.skip("src is not the written slice's shape")
     # cat in the result's memory order (a contiguous cat, permuted back), so the strides match
-    perm = order != list(range(vo.dim()))
-    if not _cat_is_contiguous(vb.permute(order), vs.permute(order), order.index(d), a, b):
+    perm, d = order != list(range(vo.dim())), order.index(d)
+    fake = _parts(vb.permute(order), vs.permute(order), d, a, b, n,
+                  lambda t, lo, hi: t.narrow(d, lo, hi - lo))
+    if not _cat_is_contiguous(fake, d):
         return rw.skip("cat would pick another memory format (channels-last inputs)")
     if perm:
         base, src = (rw.call(aten.permute.default, t, order) for t in (base, src))
-        d = order.index(d)
-    parts = ([rw.call(aten.slice.Tensor, base, d, 0, a)] if a > 0 else []) + [src] + (
-        [rw.call(aten.slice.Tensor, base, d, b, n)] if b < n else [])
+    parts = _parts(base, src, d, a, b, n,
+                   lambda t, lo, hi: rw.call(aten.slice.Tensor, t, d, lo, hi))
     out = (rw.call(aten.cat.default, parts, d) if len(parts) > 1 else  # a whole-dim write
            rw.call(aten.clone.default, src, memory_format=torch.contiguous_format))
     if perm:

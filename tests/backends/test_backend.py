@@ -255,3 +255,33 @@ def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
             _compare(expected, got, torch.float32)
     assert len(made) >= 2 * len(r.regions)
     assert {o.get_session_config_entry("session.force_spinning_stop") for o in made} == {"1"}
+
+
+def test_max_reduction_runs_as_a_pool_in_the_region_with_eager_nan_and_inf(opts):
+    """amax/amin become a max-pool over a [1, M, 1, K] view (amax_to_max_pool): the lowered
+    pool must give eager's NaN, +-inf and all--inf rows, inside one region."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x, bias):
+            y = self.fc(x) + bias
+            return torch.amax(y, dim=-1), torch.amin(y, dim=(0, 2)), y.max(dim=1).values
+
+    m = M().eval()
+    x = torch.randn(3, 5, 8)
+    bias = torch.zeros(3, 5, 8)
+    bias[0, 0, 3] = float("nan")
+    bias[1, 2, :] = float("-inf")
+    bias[2, 4, 1] = float("inf")
+    before = len(fxpass.compile_reports())
+    with torch.no_grad():
+        want = m(x, bias)
+        got = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(x, bias)
+    (r,) = fxpass.compile_reports()[before:]
+    assert len(r.regions) == 1 and r.regions[0].fallback is None, str(r)
+    assert r.rewrites.get("amax_to_max_pool", 0) >= 2, str(r)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)

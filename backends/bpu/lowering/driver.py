@@ -29,6 +29,7 @@ from fxpass.backends.bpu.lowering.builder import (
 )
 from fxpass.backends.bpu.lowering.table import OPS, Reasons
 from fxpass.graph import bind_args
+from fxpass.rules._util import cast_to
 
 aten = torch.ops.aten
 
@@ -212,10 +213,11 @@ _TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
 
 
 def _is_cast(n: fx.Node) -> bool:
-    """``n`` is a plain dtype cast (``_to_copy(x, dtype=d)`` or ``convert_element_type``)."""
-    if n.target is aten._to_copy.default:
-        return not n.args[1:] and set(n.kwargs) == {"dtype"}
-    return n.target is torch.ops.prims.convert_element_type.default and len(n.args) == 2
+    """``n`` is a plain dtype cast (the canonical ``_to_copy(x, dtype=d)``, or
+    ``convert_element_type`` in a graph the rules did not canonicalize)."""
+    if n.target is torch.ops.prims.convert_element_type.default:
+        return len(n.args) == 2
+    return cast_to(n) is not None
 
 
 def _transposed_weight(v: Any) -> fx.Node | None:
