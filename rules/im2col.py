@@ -64,4 +64,3 @@ def im2col_to_slices(node, rw) -> bool:
         return rw.skip("an output shape im2col's formula does not give")
     rw.replace(node, rw.inline(_unfold, x, k, dil, pad, st, key=("im2col", k, dil, pad, st)))
     return True
-

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from fxpass import rule
+from fxpass.graph import bind_args
 from fxpass.rules._util import aten
 
 _FILL = {aten.new_ones.default: 1, aten.new_zeros.default: 0}
@@ -23,8 +24,9 @@ _FILL = {aten.new_ones.default: 1, aten.new_zeros.default: 0}
 @rule(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, name="new_full")
 def new_full(node, rw) -> bool:
     """x.new_*(size) -> full(size, value) with x's dtype and device made explicit."""
-    fill = _FILL[node.target] if node.target in _FILL else node.args[2]
-    if node.kwargs.get("layout") not in (None, torch.strided) or node.kwargs.get("pin_memory"):
+    a = bind_args(node)
+    fill = _FILL.get(node.target, a.get("fill_value"))
+    if a["layout"] not in (None, torch.strided) or a["pin_memory"]:
         return rw.skip("a layout or pinned memory other than the default")
     if not rw.static(node):
         return False

@@ -63,18 +63,22 @@ def _decoder(
     return model, {"input_ids": _ids(vocab, tokens), "use_cache": False}
 
 
-def qwen3(**kw: Any):
+def _head_dim(kw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3 configs default head_dim to 128 whatever the width: keep it hidden / heads."""
     kw.setdefault("head_dim", kw.get("hidden", 64) // kw.get("heads", 4))
-    return _decoder("Qwen3Config", "Qwen3ForCausalLM", **kw)
+    return kw
+
+
+def qwen3(**kw: Any):
+    return _decoder("Qwen3Config", "Qwen3ForCausalLM", **_head_dim(kw))
 
 
 def qwen3_moe(*, experts=8, top_k=2, **kw: Any):
     """Qwen3-MoE: its routing (``topk``, ``sort``, ``histc``, indexing by the routed tokens) is
     data-dependent and stays on the CPU, so each layer is several regions with torch between."""
-    kw.setdefault("head_dim", kw.get("hidden", 64) // kw.get("heads", 4))
     kw.setdefault("moe_intermediate_size", kw.get("hidden", 64) // 2)
     return _decoder("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=experts,
-                    num_experts_per_tok=top_k, **kw)
+                    num_experts_per_tok=top_k, **_head_dim(kw))
 
 
 def llama(**kw: Any):
