@@ -130,7 +130,14 @@ def _compile_ort(
     float32) are written. The cache keeps onnxruntime's optimized model (``.host.onnx``, a
     few kilobytes), the weights it bakes in as external data beside it (``.host.bin``: the
     written weights, and every GEMM weight prepacked where it prepacks), and which frozen
-    weight each shared input is (``.host.json``)."""
+    weight each shared input is (``.host.json``).
+
+    Where onnxruntime would save no prepacked weights (none prepacked, or
+    ``host.saves_prepacked`` says no), its optimized model buys a later process only the graph
+    optimizer (under 0.1 s on a Qwen3 4 x 1024 region) and costs this one a second write of
+    every weight and a second session. The entry then keeps the lowering's own model and
+    weights (``"optimized": false``; each process optimizes at load), and the one session
+    opened on them keeps running: moving the files into the cache keeps what it maps."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     frozen = {rg.sources[c]: t for c, t in buffers.items()}
     if cache is not None:
@@ -150,6 +157,8 @@ def _compile_ort(
             "prepack": prepack, "weights": WEIGHTS_SUFFIX}
 
     save_prepacked = saves_prepacked(proto)
+    keep_optimized = prepack and save_prepacked
+    meta["optimized"] = keep_optimized
 
     def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
         return OrtExecutor(model, input_names, threads=threads, optimized_path=optimized_path,
@@ -169,22 +178,27 @@ def _compile_ort(
     # nothing holds a serialized copy of the weights in memory.
     with _build_dir(cache) as tmp:
         src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
+        # without the optimized model, the lowering's two files are the entry: named as such
+        weights_name = "weights.bin" if keep_optimized else key + WEIGHTS_SUFFIX
         try:
-            write_weights_external(proto, weights, os.path.join(tmp, "weights.bin"),
-                                   "weights.bin")
+            write_weights_external(proto, weights, os.path.join(tmp, weights_name), weights_name)
             with open(src, "wb") as f:
                 f.write(proto.SerializeToString())
         except OSError as e:  # a full disk costs the caching, never the offload
             cache.warn_unwritable(e)
             return in_memory(proto, weights)
-        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in ("model.onnx", "weights.bin"))
+        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in ("model.onnx", weights_name))
         del proto, weights
-        try:
-            ex = session(src, optimized_path=opt)
-        except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
-            ex = session(src)  # a model error raises again
-            cache.warn_unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
-            return Compiled(ex, key, False, size, fusions)
+        if not keep_optimized:
+            ex, opt = session(src), src
+        else:
+            try:
+                ex = session(src, optimized_path=opt)
+            except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
+                ex = session(src)  # a model error raises again
+                cache.warn_unwritable(
+                    OSError(f"onnxruntime could not write its optimized model: {e}"))
+                return Compiled(ex, key, False, size, fusions)
         # One entry, three files: a hit needs all of them. An unwritable cache (None, warned
         # once) keeps the session in memory. The weights go in first: the model names them.
         bin_path = os.path.join(tmp, key + WEIGHTS_SUFFIX)
@@ -202,10 +216,12 @@ def _compile_ort(
                 cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
                 return Compiled(ex, key, False, size, fusions)
         meta["parts"] = parts
-        # The session maps the build directory's weights.bin, which is deleted on the way out:
-        # its blocks would stay allocated, unseen by the cache's size bound, for as long as
-        # the model lives. Run from the stored entry instead, as a hit would.
+        # The optimized model's session maps the build directory's weights.bin, which is
+        # deleted on the way out: its blocks would stay allocated, unseen by the cache's size
+        # bound, for as long as the model lives. Run from the stored entry instead, as a hit
+        # would. (The lowering's session maps the file that moved into the cache: it stays.)
         if (cache.put(key, ".host.json", json.dumps(meta).encode()) is not None
+                and keep_optimized
                 and os.path.getsize(os.path.join(tmp, "weights.bin")) >= MIN_SHARED_BYTES
                 and _inodes(stored) == mine):
             ex = None  # release the build's session (its prepacked copy) before the load
@@ -300,7 +316,10 @@ def _cached_ort(
                 for s in (".host.onnx", WEIGHTS_SUFFIX)
             ):
                 return None  # parts of two stores (a race on the key): compile again
-        ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=True,
+        optimized = meta.get("optimized", True)  # entries before unoptimized ones: all were
+        if not isinstance(optimized, bool):
+            raise ValueError(f"optimized is not a bool: {optimized!r:.40}")
+        ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=optimized,
                          shared=shared, prepack=prepack)
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         _warn_unloadable(path, e)

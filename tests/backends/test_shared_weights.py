@@ -303,3 +303,41 @@ def test_prepacked_weights_are_saved_only_for_the_tested_forms():
     assert not saves_prepacked(model(helper.make_node("Conv", ["x", "x"], ["y"])))
     assert not saves_prepacked(model(gemm, helper.make_node(
         "If", ["c"], ["y"], then_branch=branch, else_branch=branch)))
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_entry_without_saved_prepacked_weights_is_the_lowering_in_one_session(
+    rows, tmp_path, monkeypatch
+):
+    """Where onnxruntime saves no prepacked weights (one row: the weights are fed in place;
+    more rows with ``saves_prepacked`` false, as for a region with ``If`` subgraphs), its
+    optimized model would cost the cold compile a second write of the weights and a second
+    session for nothing a later process needs. The entry is the lowering's own model, the
+    cold compile opens one session, which runs from the files moved into the cache, and a
+    hit (a new process's twin model) optimizes at load and gives eager's answer."""
+    from pathlib import Path
+
+    monkeypatch.setattr(compile_mod, "saves_prepacked", lambda proto: False)
+    m, x = _model(), torch.randn(rows, 64)
+    c, out = _compile(m, x, tmp_path, monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)  # float32
+    assert len(_Recording.made) == 1, "one session, no optimized model written"
+    proto, meta, _ = _entry(tmp_path)
+    assert meta["optimized"] is False and meta["prepack"] is (rows > 1)
+    assert not [p for p in tmp_path.rglob("*") if p.name == "opt.onnx"]
+    if rows > 1:  # the baked weights: mapped from the entry, never from a deleted build file
+        _Recording.made = []
+        gc.collect()
+        maps = Path("/proc/self/maps").read_text()
+        assert "(deleted)" not in "".join(ln for ln in maps.splitlines() if ".bin" in ln)
+        assert _entry_files(tmp_path)["host.bin"].name in maps
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+    twin, y = _model(), torch.randn(rows, 64)
+    c, _ = _compile(twin, y, tmp_path, monkeypatch)
+    assert fxpass.compile_reports()[-1].regions[0].cached is True
+    assert len(_Recording.made) == 1, "the hit's one session"
+    with torch.no_grad():
+        torch.testing.assert_close(c(y), twin(y), rtol=1e-5, atol=1e-5)
