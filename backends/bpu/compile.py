@@ -16,11 +16,13 @@ config and the calibration ranges' digest to the float region's key.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import tempfile
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,13 @@ import onnx
 import torch
 
 from fxpass.backends.bpu import quantize as Q
-from fxpass.backends.bpu.cache import BUILD_PREFIX, ArtifactCache, file_checksum, region_key
+from fxpass.backends.bpu.cache import (
+    BUILD_PREFIX,
+    ArtifactCache,
+    Checksum,
+    file_checksum,
+    region_key,
+)
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
@@ -39,7 +47,12 @@ from fxpass.backends.bpu.host import (
     shared_weights,
 )
 from fxpass.backends.bpu.lower import lower
-from fxpass.backends.bpu.lowering import lower_weightless, write_weights, write_weights_external
+from fxpass.backends.bpu.lowering import (
+    lower_weightless,
+    point_external,
+    write_weights,
+    write_weights_file,
+)
 from fxpass.backends.bpu.lowering.driver import Weights
 from fxpass.backends.bpu.region import RegionGraph
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
@@ -146,88 +159,119 @@ def _compile_ort(
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
     proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
-    fusions: dict[str, int] = {}
-    if fuse:
-        proto, fusions = fuse_for_ort(proto)
-    prepack = prepack_helps(proto)
-    shared = {} if prepack else shared_weights(proto, weights, buffers)
-    meta = {"fusions": fusions, "shared": {n: rg.sources[n] for n in shared if n in rg.sources},
-            "casts": {n: [rg.sources[weights.casts[n][0]], str(weights.casts[n][1])]
-                      for n in shared if n not in rg.sources},
-            "prepack": prepack, "weights": WEIGHTS_SUFFIX}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(_build_dir(cache)) if cache is not None else None
+        # A region onnxruntime prepacks feeds no weight in place: all of them are written, to a
+        # file that depends on the weights alone. It is written while the fusions rewrite the
+        # weightless model (the one is I/O, the other Python: they overlap on two cores).
+        early = None
+        if tmp is not None and prepack_helps(proto):
+            pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fxpass-weights"))
+            checksum = Checksum()
+            early = pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
+                                checksum.update)
+        fusions: dict[str, int] = {}
+        if fuse:
+            proto, fusions = fuse_for_ort(proto)
+        prepack = prepack_helps(proto)
+        if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
+            early.result()
+            early = None
+        shared = {} if prepack else shared_weights(proto, weights, buffers)
+        meta = {"fusions": fusions,
+                "shared": {n: rg.sources[n] for n in shared if n in rg.sources},
+                "casts": {n: [rg.sources[weights.casts[n][0]], str(weights.casts[n][1])]
+                          for n in shared if n not in rg.sources},
+                "prepack": prepack, "weights": WEIGHTS_SUFFIX}
+        save_prepacked = saves_prepacked(proto)
+        keep_optimized = prepack and save_prepacked
+        meta["optimized"] = keep_optimized
 
-    save_prepacked = saves_prepacked(proto)
-    keep_optimized = prepack and save_prepacked
-    meta["optimized"] = keep_optimized
+        def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
+            return OrtExecutor(model, input_names, threads=threads,
+                               optimized_path=optimized_path, shared=shared, prepack=prepack,
+                               optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None,
+                               save_prepacked=save_prepacked)
 
-    def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
-        return OrtExecutor(model, input_names, threads=threads, optimized_path=optimized_path,
-                           shared=shared, prepack=prepack,
-                           optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None,
-                           save_prepacked=save_prepacked)
+        def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
+            data = write_weights(proto, weights).SerializeToString()
+            return Compiled(session(data), key, False, len(data), fusions)
 
-    def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
-        data = write_weights(proto, weights).SerializeToString()
-        return Compiled(session(data), key, False, len(data), fusions)
-
-    if cache is None:
-        return in_memory(proto, weights)
-    # Let onnxruntime write its optimized model once, weights (prepacked ones included) in a
-    # file beside it; later processes load that unoptimized and map the weights. The weights
-    # go to disk straight from their arrays, and the model that names them is kilobytes:
-    # nothing holds a serialized copy of the weights in memory.
-    with _build_dir(cache) as tmp:
-        src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
-        # without the optimized model, the lowering's two files are the entry: named as such
-        weights_name = "weights.bin" if keep_optimized else key + WEIGHTS_SUFFIX
-        try:
-            write_weights_external(proto, weights, os.path.join(tmp, weights_name), weights_name)
-            with open(src, "wb") as f:
-                f.write(proto.SerializeToString())
-        except OSError as e:  # a full disk costs the caching, never the offload
-            cache.warn_unwritable(e)
+        if cache is None or tmp is None:
             return in_memory(proto, weights)
-        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in ("model.onnx", weights_name))
-        del proto, weights
-        if not keep_optimized:
-            ex, opt = session(src), src
+        return _store_ort(cache, key, tmp, proto, weights, early, checksum if early else None,
+                          session, in_memory, keep_optimized, meta, fusions,
+                          input_names, threads, shared, prepack)
+
+
+def _store_ort(
+    cache: ArtifactCache, key: str, tmp: str, proto: onnx.ModelProto, weights: Weights,
+    early: Future | None, checksum: Checksum | None, session: Any, in_memory: Any,
+    keep_optimized: bool, meta: dict[str, Any], fusions: dict[str, int],
+    input_names: list[str], threads: int | None, shared: dict[str, torch.Tensor], prepack: bool,
+) -> Compiled:
+    """Write the region's files in the build directory ``tmp``, open its session and store the
+    entry (``_compile_ort`` says which files). The weights go to disk straight from their
+    arrays (``early``: already being written), and the model that names them is kilobytes:
+    nothing holds a serialized copy of the weights in memory."""
+    src, opt = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "opt.onnx")
+    # without the optimized model, the lowering's two files are the entry: named as such
+    weights_name = "weights.bin" if keep_optimized else key + WEIGHTS_SUFFIX
+    written = os.path.join(tmp, weights_name)
+    try:
+        if early is not None:
+            layout = early.result()
+            os.replace(os.path.join(tmp, "weights.bin"), written)
         else:
-            try:
-                ex = session(src, optimized_path=opt)
-            except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
-                ex = session(src)  # a model error raises again
-                cache.warn_unwritable(
-                    OSError(f"onnxruntime could not write its optimized model: {e}"))
-                return Compiled(ex, key, False, size, fusions)
-        # One entry, three files: a hit needs all of them. An unwritable cache (None, warned
-        # once) keeps the session in memory. The weights go in first: the model names them.
-        bin_path = os.path.join(tmp, key + WEIGHTS_SUFFIX)
-        if not os.path.exists(bin_path):  # no weight large enough to be written outside
-            open(bin_path, "wb").close()
-        # The parts' checksums, of the files this process stored, bind them in .host.json: a
-        # hit whose model or weights file another process replaced meanwhile (the same key
-        # compiled twice at once) is a miss, never one process's model over the other's file.
-        parts = {WEIGHTS_SUFFIX: file_checksum(bin_path), ".host.onnx": file_checksum(opt)}
-        stored, mine = {}, []  # mine: the files' inodes, which a move into the cache keeps
-        for suffix, path in ((WEIGHTS_SUFFIX, bin_path), (".host.onnx", opt)):
-            mine.append(os.stat(path).st_ino)
-            stored[suffix] = cache.put_file(key, suffix, path, checksum=parts[suffix])
-            if stored[suffix] is None:
-                cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
-                return Compiled(ex, key, False, size, fusions)
-        meta["parts"] = parts
-        # The optimized model's session maps the build directory's weights.bin, which is
-        # deleted on the way out: its blocks would stay allocated, unseen by the cache's size
-        # bound, for as long as the model lives. Run from the stored entry instead, as a hit
-        # would. (The lowering's session maps the file that moved into the cache: it stays.)
-        if (cache.put(key, ".host.json", json.dumps(meta).encode()) is not None
-                and keep_optimized
-                and os.path.getsize(os.path.join(tmp, "weights.bin")) >= MIN_SHARED_BYTES
-                and _inodes(stored) == mine):
-            ex = None  # release the build's session (its prepacked copy) before the load
-            ex = _from_stored(stored, mine, input_names, threads, shared, prepack)
-            if ex is None:  # replaced meanwhile (or unloadable): build again from ours
-                ex = session(src)
+            checksum = Checksum()
+            layout = write_weights_file(weights, written, checksum.update)
+        point_external(proto, weights, layout, weights_name)
+        with open(src, "wb") as f:
+            f.write(proto.SerializeToString())
+    except OSError as e:  # a full disk costs the caching, never the offload
+        cache.warn_unwritable(e)
+        return in_memory(proto, weights)
+    size = os.path.getsize(src) + os.path.getsize(written)
+    del proto, weights
+    if not keep_optimized:
+        ex, opt = session(src), src
+    else:
+        try:
+            ex = session(src, optimized_path=opt)
+        except Exception as e:  # noqa: BLE001 - writing opt.onnx may fail for lack of space
+            ex = session(src)  # a model error raises again
+            cache.warn_unwritable(OSError(f"onnxruntime could not write its optimized model: {e}"))
+            return Compiled(ex, key, False, size, fusions)
+    # One entry, three files: a hit needs all of them. An unwritable cache (None, warned
+    # once) keeps the session in memory. The weights go in first: the model names them.
+    bin_path = os.path.join(tmp, key + WEIGHTS_SUFFIX)
+    if not os.path.exists(bin_path):  # no weight large enough to be written outside
+        open(bin_path, "wb").close()
+    # The parts' checksums, of the files this process stored, bind them in .host.json: a
+    # hit whose model or weights file another process replaced meanwhile (the same key
+    # compiled twice at once) is a miss, never one process's model over the other's file.
+    bin_sum = checksum.value() if not keep_optimized else file_checksum(bin_path)
+    parts = {WEIGHTS_SUFFIX: bin_sum, ".host.onnx": file_checksum(opt)}
+    stored, mine = {}, []  # mine: the files' inodes, which a move into the cache keeps
+    for suffix, path in ((WEIGHTS_SUFFIX, bin_path), (".host.onnx", opt)):
+        mine.append(os.stat(path).st_ino)
+        stored[suffix] = cache.put_file(key, suffix, path, checksum=parts[suffix])
+        if stored[suffix] is None:
+            cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
+            return Compiled(ex, key, False, size, fusions)
+    meta["parts"] = parts
+    # The optimized model's session maps the build directory's weights.bin, which is
+    # deleted on the way out: its blocks would stay allocated, unseen by the cache's size
+    # bound, for as long as the model lives. Run from the stored entry instead, as a hit
+    # would. (The lowering's session maps the file that moved into the cache: it stays.)
+    if (cache.put(key, ".host.json", json.dumps(meta).encode()) is not None
+            and keep_optimized
+            and os.path.getsize(written) >= MIN_SHARED_BYTES
+            and _inodes(stored) == mine):
+        ex = None  # release the build's session (its prepacked copy) before the load
+        ex = _from_stored(stored, mine, input_names, threads, shared, prepack)
+        if ex is None:  # replaced meanwhile (or unloadable): build again from ours
+            ex = session(src)
     return Compiled(ex, key, False, size, fusions)
 
 

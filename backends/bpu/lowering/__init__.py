@@ -15,8 +15,10 @@ from fxpass.backends.bpu.lowering.builder import LoweringError
 from fxpass.backends.bpu.lowering.driver import (
     lower,
     lower_weightless,
+    point_external,
     write_weights,
     write_weights_external,
+    write_weights_file,
 )
 from fxpass.backends.bpu.lowering.table import FAMILIES, LOWERINGS, OPS, Op, Reasons, can_lower
 
@@ -30,6 +32,8 @@ __all__ = [
     "can_lower",
     "lower",
     "lower_weightless",
+    "point_external",
     "write_weights",
     "write_weights_external",
+    "write_weights_file",
 ]

@@ -153,26 +153,53 @@ def write_weights_external(
     Why not :func:`write_weights`: raw data inside the protobuf is a copy of every weight in
     the message and another in its serialized bytes. Here each weight goes from its array to
     the file once, through the page cache, and onnxruntime maps it back page-aligned."""
-    offset = 0
+    return point_external(model, weights, write_weights_file(weights, path), location)
+
+
+def write_weights_file(
+    weights: Weights, path: str, update: Callable[[Any], None] | None = None
+) -> dict[str, tuple[int, int]]:
+    """Write each weight's bytes to ``path``, in the order of ``weights``, at page-aligned
+    offsets; return name -> (offset, length). ``update`` sees every byte written, in order
+    (a checksum of the file made while writing it, not by reading it back).
+
+    The file depends on ``weights`` alone, not on the model: it can be written while
+    something else rewrites the (weightless) model, and :func:`point_external` then points
+    that model's initializers at it."""
+    layout, offset = {}, 0
     with open(path, "wb") as f:
-        for t, array in _slots(model, weights):
+        for name, (_, _, array) in weights.items():
             a = np.ascontiguousarray(array())
-            if a.nbytes == 0:
-                t.raw_data = b""
-                continue
-            pad = -offset % EXTERNAL_ALIGN
-            f.write(bytes(pad))
-            offset += pad
-            f.write(memoryview(a.reshape(-1).view(np.uint8)))
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
-            del t.external_data[:]
-            for k, v in (("location", location), ("offset", str(offset)),
-                         ("length", str(a.nbytes))):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
+            if a.nbytes:
+                pad = bytes(-offset % EXTERNAL_ALIGN)
+                data = memoryview(a.reshape(-1).view(np.uint8))
+                for chunk in (pad, data):
+                    f.write(chunk)
+                    if update is not None:
+                        update(chunk)
+                offset += len(pad)
+            layout[name] = (offset, a.nbytes)
             offset += a.nbytes
             del a
+    return layout
+
+
+def point_external(
+    model: onnx.ModelProto, weights: Weights, layout: dict[str, tuple[int, int]], location: str
+) -> onnx.ModelProto:
+    """Point the initializers of ``weights`` at the file :func:`write_weights_file` wrote."""
+    for t, _ in _slots(model, weights):
+        offset, length = layout[t.name]
+        del t.external_data[:]
+        if not length:
+            t.data_location = onnx.TensorProto.DEFAULT
+            t.raw_data = b""
+            continue
+        t.ClearField("raw_data")
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
     return model
 
 
