@@ -34,9 +34,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+# 9: host entries may be the lowering's own model ("optimized": false), small weights packed;
 # 5: host models carry the fused Attention; 4: fast checksums (digest.py) and cached plans;
 # 3: manifests with key
-CACHE_VERSION = "8"
+CACHE_VERSION = "9"
 MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash
@@ -401,11 +402,9 @@ def _checksum(data: bytes) -> str:
     """``"<algorithm>:<hex>"`` of ``data``: verified on every hit, so it uses the fast hash
     (xxh3-128 reads a 290 MB artifact in ~0.1 s here; sha256 took 0.45 s). It guards against
     torn or damaged files, not against someone who can write the cache directory."""
-    from fxpass.backends.bpu.digest import HASH_NAME, hasher
-
-    h = hasher()
-    h.update(data)
-    return f"{HASH_NAME}:{h.hexdigest()}"
+    c = Checksum()
+    c.update(data)
+    return c.value()
 
 
 class Checksum:
@@ -440,9 +439,9 @@ def _atomic_write(
     """Put ``data``, or the file ``src`` (moved, else copied), at ``path`` atomically: a reader
     sees the old file or the complete new one, never a torn one.
 
-    A moved file is not fsynced: that forced the weights (290 MB) to disk inside the compile,
-    0.18 s of a 2 s one, for crash durability alone, and a file a crash leaves incomplete
-    fails the manifest's checksum that every hit verifies, so it is rebuilt, never read."""
+    A moved (or copied) file is not fsynced: that forced the weights (290 MB) to disk inside
+    the compile, 0.18 s of a 2 s one, for crash durability alone, and a file a crash leaves
+    incomplete fails the manifest's checksum that every hit verifies, so it is rebuilt."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         if src is None:

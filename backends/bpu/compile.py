@@ -175,7 +175,9 @@ def _compile_ort(
             proto, fusions = fuse_for_ort(proto)
         prepack = prepack_helps(proto)
         if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
-            early.result()
+            with contextlib.suppress(OSError):  # the write below reports a full disk
+                early.result()
+                os.unlink(os.path.join(tmp, "weights.bin"))
             early = None
         shared = {} if prepack else shared_weights(proto, weights, buffers)
         meta = {"fusions": fusions,

@@ -729,9 +729,10 @@ def test_weightless_lowering_fills_in_to_the_same_model() -> None:
 
 
 def test_weights_written_outside_load_back_to_the_same_model(tmp_path) -> None:
-    """``write_weights_external`` (the cached host path) puts each weight in a file at an
-    offset onnxruntime can map (a multiple of ``EXTERNAL_ALIGN``), and the model it names them
-    from loads back to exactly ``lower``'s weights; onnxruntime runs it to eager's answer."""
+    """``write_weights_external`` (the cached host path) puts each weight of ``EXTERNAL_ALIGN``
+    bytes or more in a file at an offset onnxruntime can map (a multiple of it), smaller ones
+    packed, and the model it names them from loads back to exactly ``lower``'s weights;
+    onnxruntime runs it to eager's answer."""
     from fxpass.backends.bpu.lowering import lower_weightless, write_weights_external
     from fxpass.backends.bpu.lowering.driver import EXTERNAL_ALIGN
 
@@ -743,8 +744,13 @@ def test_weights_written_outside_load_back_to_the_same_model(tmp_path) -> None:
     write_weights_external(light, weights, str(tmp_path / "w.bin"), "w.bin")
     written = [t for t in light.graph.initializer if t.name in names]
     assert written and all(t.data_location == onnx.TensorProto.EXTERNAL for t in written)
-    offsets = [int(e.value) for t in written for e in t.external_data if e.key == "offset"]
-    assert len(offsets) == len(written) and all(o % EXTERNAL_ALIGN == 0 for o in offsets)
+    spans = [{e.key: int(e.value) for e in t.external_data if e.key != "location"}
+             for t in written]
+    offsets = [sp["offset"] for sp in spans]
+    assert len(offsets) == len(written)
+    assert all(sp["offset"] % EXTERNAL_ALIGN == 0 for sp in spans if sp["length"] >= EXTERNAL_ALIGN)
+    ends = sorted((sp["offset"], sp["offset"] + sp["length"]) for sp in spans)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False)), "no overlap"
     assert len(set(offsets)) == len(offsets), "no two weights share bytes"
     (tmp_path / "m.onnx").write_bytes(light.SerializeToString())
     back = onnx.load(str(tmp_path / "m.onnx"))  # resolves the external data beside it

@@ -139,8 +139,8 @@ def _slots(model: onnx.ModelProto, weights: Weights) -> Iterator[tuple[onnx.Tens
         yield t, array
 
 
-#: Offsets of externally written weights are multiples of this: onnxruntime maps a weight
-#: whose offset is page-aligned straight from the file instead of reading it into a buffer.
+#: Offsets of externally written weights of this size or more are multiples of it: onnxruntime
+#: maps a weight whose offset is page-aligned straight from the file instead of reading it.
 EXTERNAL_ALIGN = 64 * 1024
 
 
@@ -159,8 +159,10 @@ def write_weights_external(
 def write_weights_file(
     weights: Weights, path: str, update: Callable[[Any], None] | None = None
 ) -> dict[str, tuple[int, int]]:
-    """Write each weight's bytes to ``path``, in the order of ``weights``, at page-aligned
-    offsets; return name -> (offset, length). ``update`` sees every byte written, in order
+    """Write each weight's bytes to ``path``, in the order of ``weights``; return name ->
+    (offset, length). A weight of :data:`EXTERNAL_ALIGN` bytes or more starts at a multiple
+    of it (onnxruntime maps it); smaller ones are packed (64 KiB of zeros per norm weight
+    would be most of a decode region's file). ``update`` sees every byte written, in order
     (a checksum of the file made while writing it, not by reading it back).
 
     The file depends on ``weights`` alone, not on the model: it can be written while
@@ -171,7 +173,7 @@ def write_weights_file(
         for name, (_, _, array) in weights.items():
             a = np.ascontiguousarray(array())
             if a.nbytes:
-                pad = bytes(-offset % EXTERNAL_ALIGN)
+                pad = bytes(-offset % EXTERNAL_ALIGN if a.nbytes >= EXTERNAL_ALIGN else 0)
                 data = memoryview(a.reshape(-1).view(np.uint8))
                 for chunk in (pad, data):
                     f.write(chunk)
