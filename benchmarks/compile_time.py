@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parent / "results"
+TAG = ""  # --tag: results go to compile_time-<tag>.{json,md}
 MODELS = {
     "qwen3-4x1024 fp32": ("qwen3", "float32"),
     "llama-4x1024 fp32": ("llama", "float32"),
@@ -157,8 +158,9 @@ def _save(out: dict, res: dict) -> dict:
         for case, per in res.items()
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "compile_time.json").write_text(json.dumps(out, indent=1) + "\n")
-    (OUT / "compile_time.md").write_text(markdown(out) + "\n")
+    stem = f"compile_time-{TAG}" if TAG else "compile_time"  # a subset never replaces the matrix
+    (OUT / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
+    (OUT / f"{stem}.md").write_text(markdown(out) + "\n")
     return out
 
 
@@ -302,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="--profile only (the matrix takes its dtypes from --models)")
     ap.add_argument("--hash", action="store_true")
+    ap.add_argument("--tag", default="", help="write compile_time-<tag>.{json,md}")
     a = ap.parse_args(argv)
+    global TAG
+    TAG = a.tag
     if a.hash:
         hash_speed()
         return

@@ -27,6 +27,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.node import map_arg
 
 from fxpass import rule
@@ -79,7 +80,7 @@ def bf16_promotion(node, rw):
         args, kwargs = _round_scalars(node.target, args, kwargs)
     shared = {i: _shared_up(i) for i in ins}
     with rw.fake_mode:
-        as_f32 = {i: c.meta["val"] if c is not None else i.meta["val"].to(F32)
+        as_f32 = {i: c.meta["val"] if c is not None else _f32_like(i.meta["val"])
                   for i, c in shared.items()}
     new_val = rw.infer(node.target, args, kwargs, override=as_f32)
     if _has_bf16(new_val):
@@ -111,6 +112,16 @@ def _round_scalars(target, args, kwargs):
         elif a.name in kwargs and isinstance(kwargs[a.name], float):
             kwargs = {**kwargs, a.name: torch.tensor(kwargs[a.name], dtype=BF16).item()}
     return tuple(args), kwargs
+
+
+def _f32_like(v: torch.Tensor) -> torch.Tensor:
+    """The fake value of ``_to_copy(v, dtype=float32)`` (call under the fake mode). A dense
+    tensor keeps its strides under ``preserve_format``, so its value is made directly: the
+    cast dispatched through the fake mode took 1.7 ms against 0.2 ms, a third of this rule's
+    time on a BF16 Qwen3. Anything else (overlapping or gapped strides) takes the real path."""
+    if is_non_overlapping_and_dense_or_false(v):
+        return torch.empty_strided(v.shape, v.stride(), dtype=F32, device=v.device)
+    return v.to(F32)
 
 
 def _shared_up(i):
