@@ -145,12 +145,12 @@ def _compile_ort(
     written weights, and every GEMM weight prepacked where it prepacks), and which frozen
     weight each shared input is (``.host.json``).
 
-    Where onnxruntime would save no prepacked weights (none prepacked, or
-    ``host.saves_prepacked`` says no), its optimized model buys a later process only the graph
-    optimizer (under 0.1 s on a Qwen3 4 x 1024 region) and costs this one a second write of
-    every weight and a second session. The entry then keeps the lowering's own model and
-    weights (``"optimized": false``; each process optimizes at load), and the one session
-    opened on them keeps running: moving the files into the cache keeps what it maps."""
+    Where onnxruntime would save no prepacked weights (none prepacked, or ``host.saves_prepacked``
+    says no), its optimized model buys a later process only the graph optimizer (a scratch load
+    of the Qwen3 4 x 1024 entry: 0.31 s with it on or off) and costs this one a second write of
+    every weight and a second session. The entry then keeps the lowering's own model and weights
+    (``"optimized": false``; each process optimizes at load), and the one session opened on them
+    keeps running: moving the files into the cache keeps what it maps."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     frozen = {rg.sources[c]: t for c, t in buffers.items()}
     if cache is not None:
@@ -164,19 +164,19 @@ def _compile_ort(
         # A region onnxruntime prepacks feeds no weight in place: all of them are written, to a
         # file that depends on the weights alone. It is written while the fusions rewrite the
         # weightless model (the one is I/O, the other Python: they overlap on two cores).
-        early = None
+        early = None  # (the write, the checksum it feeds)
         if tmp is not None and prepack_helps(proto):
             pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fxpass-weights"))
             checksum = Checksum()
-            early = pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
-                                checksum.update)
+            early = (pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
+                                 checksum.update), checksum)
         fusions: dict[str, int] = {}
         if fuse:
             proto, fusions = fuse_for_ort(proto)
         prepack = prepack_helps(proto)
         if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
             with contextlib.suppress(OSError):  # the write below reports a full disk
-                early.result()
+                early[0].result()
                 os.unlink(os.path.join(tmp, "weights.bin"))
             early = None
         shared = {} if prepack else shared_weights(proto, weights, buffers)
@@ -185,15 +185,13 @@ def _compile_ort(
                 "casts": {n: [rg.sources[weights.casts[n][0]], str(weights.casts[n][1])]
                           for n in shared if n not in rg.sources},
                 "prepack": prepack, "weights": WEIGHTS_SUFFIX}
-        save_prepacked = saves_prepacked(proto)
-        keep_optimized = prepack and save_prepacked
+        keep_optimized = prepack and saves_prepacked(proto)
         meta["optimized"] = keep_optimized
 
         def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
             return OrtExecutor(model, input_names, threads=threads,
                                optimized_path=optimized_path, shared=shared, prepack=prepack,
-                               optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None,
-                               save_prepacked=save_prepacked)
+                               optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None)
 
         def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
             data = write_weights(proto, weights).SerializeToString()
@@ -201,14 +199,13 @@ def _compile_ort(
 
         if cache is None or tmp is None:
             return in_memory(proto, weights)
-        return _store_ort(cache, key, tmp, proto, weights, early, checksum if early else None,
-                          session, in_memory, keep_optimized, meta, fusions,
-                          input_names, threads, shared, prepack)
+        return _store_ort(cache, key, tmp, proto, weights, early, session, in_memory,
+                          keep_optimized, meta, fusions, input_names, threads, shared, prepack)
 
 
 def _store_ort(
     cache: ArtifactCache, key: str, tmp: str, proto: onnx.ModelProto, weights: Weights,
-    early: Future | None, checksum: Checksum | None, session: Any, in_memory: Any,
+    early: tuple[Future, Checksum] | None, session: Any, in_memory: Any,
     keep_optimized: bool, meta: dict[str, Any], fusions: dict[str, int],
     input_names: list[str], threads: int | None, shared: dict[str, torch.Tensor], prepack: bool,
 ) -> Compiled:
@@ -222,7 +219,7 @@ def _store_ort(
     written = os.path.join(tmp, weights_name)
     try:
         if early is not None:
-            layout = early.result()
+            layout, checksum = early[0].result(), early[1]
             os.replace(os.path.join(tmp, "weights.bin"), written)
         else:
             checksum = Checksum()
@@ -234,7 +231,6 @@ def _store_ort(
         cache.warn_unwritable(e)
         return in_memory(proto, weights)
     size = os.path.getsize(src) + os.path.getsize(written)
-    del proto, weights
     if not keep_optimized:
         ex, opt = session(src), src
     else:

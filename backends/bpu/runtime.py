@@ -46,7 +46,6 @@ class OrtExecutor:
         shared: dict[str, torch.Tensor] | None = None,
         prepack: bool = True,
         optimized_weights: str | None = None,
-        save_prepacked: bool = True,
     ):
         """``shared``: weights that are graph inputs of ``model`` (``host.shared_weights``)
         and the tensors that hold them, fed on every run as numpy views: onnxruntime reads
@@ -56,8 +55,8 @@ class OrtExecutor:
         ``optimized_weights``: with ``optimized_path``, the file name (beside it) that takes
         the optimized model's weights as external data, prepacked GEMM weights included. A
         later process then loads the optimized model without repacking anything, mapping
-        its weights from that file. ``save_prepacked=False`` keeps the prepacked copies out of
-        it (``host.saves_prepacked``): the later process then repacks."""
+        its weights from that file. (Only for models whose saved prepacked weights load,
+        ``host.saves_prepacked``; the others are cached unoptimized, ``compile._compile_ort``.)"""
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -79,8 +78,7 @@ class OrtExecutor:
                 for k, v in (
                     ("session.optimized_model_external_initializers_file_name", optimized_weights),
                     ("session.optimized_model_external_initializers_min_size_in_bytes", "4096"),
-                    ("session.save_external_prepacked_constant_initializers",
-                     "1" if save_prepacked else "0"),
+                    ("session.save_external_prepacked_constant_initializers", "1"),
                 ):
                     so.add_session_config_entry(k, v)
         self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])

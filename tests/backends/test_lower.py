@@ -729,11 +729,11 @@ def test_weightless_lowering_fills_in_to_the_same_model() -> None:
 
 
 def test_weights_written_outside_load_back_to_the_same_model(tmp_path) -> None:
-    """``write_weights_external`` (the cached host path) puts each weight of ``EXTERNAL_ALIGN``
-    bytes or more in a file at an offset onnxruntime can map (a multiple of it), smaller ones
-    packed, and the model it names them from loads back to exactly ``lower``'s weights;
-    onnxruntime runs it to eager's answer."""
-    from fxpass.backends.bpu.lowering import lower_weightless, write_weights_external
+    """``write_weights_file`` + ``point_external`` (the cached host path) put each weight of
+    ``EXTERNAL_ALIGN`` bytes or more in a file at an offset onnxruntime can map (a multiple of
+    it), smaller ones packed, and the model it names them from loads back to exactly ``lower``'s
+    weights; onnxruntime runs it to eager's answer."""
+    from fxpass.backends.bpu.lowering import lower_weightless, point_external, write_weights_file
     from fxpass.backends.bpu.lowering.driver import EXTERNAL_ALIGN
 
     block = TinyDecoderBlock().eval()
@@ -741,7 +741,7 @@ def test_weights_written_outside_load_back_to_the_same_model(tmp_path) -> None:
     gm = trace_module(block, x)
     light, weights = lower_weightless(gm, name="b")
     names = set(weights)
-    write_weights_external(light, weights, str(tmp_path / "w.bin"), "w.bin")
+    point_external(light, weights, write_weights_file(weights, str(tmp_path / "w.bin")), "w.bin")
     written = [t for t in light.graph.initializer if t.name in names]
     assert written and all(t.data_location == onnx.TensorProto.EXTERNAL for t in written)
     spans = [{e.key: int(e.value) for e in t.external_data if e.key != "location"}

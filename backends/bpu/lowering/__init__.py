@@ -17,7 +17,6 @@ from fxpass.backends.bpu.lowering.driver import (
     lower_weightless,
     point_external,
     write_weights,
-    write_weights_external,
     write_weights_file,
 )
 from fxpass.backends.bpu.lowering.table import FAMILIES, LOWERINGS, OPS, Op, Reasons, can_lower
@@ -34,6 +33,5 @@ __all__ = [
     "lower_weightless",
     "point_external",
     "write_weights",
-    "write_weights_external",
     "write_weights_file",
 ]

@@ -144,18 +144,6 @@ def _slots(model: onnx.ModelProto, weights: Weights) -> Iterator[tuple[onnx.Tens
 EXTERNAL_ALIGN = 64 * 1024
 
 
-def write_weights_external(
-    model: onnx.ModelProto, weights: Weights, path: str, location: str
-) -> onnx.ModelProto:
-    """Write ``weights`` to the file ``path`` as ONNX external data (named ``location``,
-    relative to the model's own file) and point the model's initializers at it.
-
-    Why not :func:`write_weights`: raw data inside the protobuf is a copy of every weight in
-    the message and another in its serialized bytes. Here each weight goes from its array to
-    the file once, through the page cache, and onnxruntime maps it back page-aligned."""
-    return point_external(model, weights, write_weights_file(weights, path), location)
-
-
 def write_weights_file(
     weights: Weights, path: str, update: Callable[[Any], None] | None = None
 ) -> dict[str, tuple[int, int]]:
@@ -165,9 +153,12 @@ def write_weights_file(
     would be most of a decode region's file). ``update`` sees every byte written, in order
     (a checksum of the file made while writing it, not by reading it back).
 
-    The file depends on ``weights`` alone, not on the model: it can be written while
-    something else rewrites the (weightless) model, and :func:`point_external` then points
-    that model's initializers at it."""
+    Why a file, not :func:`write_weights`: raw data inside the protobuf is a copy of every
+    weight in the message and another in its serialized bytes; here each weight goes from its
+    array to the file once, through the page cache, and onnxruntime maps it back. The file
+    depends on ``weights`` alone, not on the model: it can be written while something else
+    rewrites the (weightless) model, and :func:`point_external` then points that model's
+    initializers at it."""
     layout, offset = {}, 0
     with open(path, "wb") as f:
         for name, (_, _, array) in weights.items():
