@@ -270,7 +270,7 @@ class Rewriter:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         node_args = [a for a in args if isinstance(a, Node)]
-        fake_args = [a.meta["val"] for a in node_args]
+        fake_args = self._distinct_fakes(node_args)
         cache_key = None
         if key is not None:
             metas = tuple(
@@ -309,6 +309,27 @@ class Rewriter:
             env[sn] = self.call(sn.target, *nargs, val=v, **nkwargs)
         if isinstance(out, list):
             out = tuple(out)
+        return out
+
+    def _distinct_fakes(self, nodes: list[Node]) -> list[Any]:
+        """The nodes' fake values, one distinct tensor object per distinct node.
+
+        Why: ``make_fx`` tracks tensors by identity, so two arguments that are the same fake
+        object become one placeholder's value: the trace reads the last of them for both.
+        Distinct nodes do share a fake object, because a cached trace splices the same
+        ``meta["val"]`` into every copy (the K and V cache updates of one layer, say). A T5
+        cross-attention traced that way multiplied the queries by the values instead of the
+        keys. A repeat gets a fresh fake tensor of the same shape, strides and dtype; the
+        same node passed twice keeps its one value (both arguments are the same data).
+        """
+        seen: dict[int, Node] = {}
+        out = []
+        for n in nodes:
+            v = n.meta["val"]
+            if isinstance(v, torch.Tensor) and seen.setdefault(id(v), n) is not n:
+                with self.fake_mode:
+                    v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            out.append(v)
         return out
 
     def _stamp(self, n: Node) -> None:

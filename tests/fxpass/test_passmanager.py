@@ -211,6 +211,26 @@ def test_inline_reuses_a_decomposition():
     torch.testing.assert_close(gm(x), torch.nn.functional.gelu(x))
 
 
+def test_inline_keeps_distinct_nodes_that_share_a_fake_value_apart():
+    # A cached trace splices the same fake object into every copy (two cache updates of one
+    # layer, say); make_fx tracks tensors by identity, so a later inline over both nodes used
+    # to read the second one twice (T5's cross-attention: queries times values).
+    @rule(aten.add.Tensor)
+    def tag_twins(node, rw):
+        """add(x, y) -> twin copies (cloned, sharing one fake value), then sub(a, b)"""
+        x, y = node.args
+        a = rw.call(aten.mul.Tensor, x, 1.0)
+        b = rw.call(aten.mul.Tensor, y, 1.0, val=a.meta["val"])  # the shared object
+        out = rw.inline(lambda p, q: (p - 2 * q).exp(), a, b, key="sub")
+        rw.replace(node, out)
+        return True
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    gm = trace(torch.add, x, y)
+    PassManager([tag_twins]).run(gm)
+    torch.testing.assert_close(gm(x, y), (x - 2 * y).exp())
+
+
 def test_report_prints_and_serialises():
     import json
 
