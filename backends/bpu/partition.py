@@ -15,14 +15,22 @@ over region ids and union-find for merged regions:
 A supported node joins (and may merge) the regions of its inputs when that keeps all of the
 above; otherwise it starts a region. Stale bits can only make a test stricter, never unsound.
 Filters then drop regions with no compute or fewer than ``min_compute_macs``.
+
+Before that pass, CPU nodes are moved down to just before their first user
+(:func:`sink_cpu_nodes`): a CPU consumer placed early seals a region that later nodes would
+have joined (the BF16 cast of a new KV row for the cache write-back, emitted mid-layer, split a
+2-layer BF16 decode step into 3 regions).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpass.backends.bpu.cost import macs
 
@@ -47,6 +55,10 @@ def partition(
     reject_reason: Callable[[Node], str | None],
     min_compute_macs: int = 0,
 ) -> Partition:
+    reasons = {
+        n: reject_reason(n) if n.op == "call_function" else "not an op" for n in gm.graph.nodes
+    }
+    sink_cpu_nodes(gm, reasons)
     nodes = list(gm.graph.nodes)
     rejected: dict[Node, str] = {}
     parent: list[int] = []  # union-find over original region ids
@@ -79,7 +91,7 @@ def partition(
                 taint |= cdep[root]
                 if root not in in_classes:
                     in_classes.append(root)
-        why = reject_reason(n) if n.op == "call_function" else "not an op"
+        why = reasons[n]
         chosen: list[int] = []
         if why is None:
             m_acc, t_acc, d_acc = 0, taint, dep_n
@@ -144,6 +156,102 @@ def partition(
     for i, reg in enumerate(regions):
         reg.id = i
     return Partition(regions, rejected, dropped)
+
+
+def _storages(v: object) -> set:
+    vals = v if isinstance(v, (tuple, list)) else (v,)
+    out = set()
+    for t in vals:
+        if isinstance(t, torch.Tensor):
+            try:
+                out.add(StorageWeakRef(t.untyped_storage()))
+            except (NotImplementedError, RuntimeError):  # no storage (sparse, nested, ...)
+                return {None}  # unknown: treated as aliasing anything
+    return out
+
+
+_MUTABLE: dict[object, bool] = {}  # OpOverload -> whether its schema writes an argument
+
+
+def _mutable(t: object) -> bool:
+    m = _MUTABLE.get(t)
+    if m is None:
+        m = _MUTABLE[t] = isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+    return m
+
+
+def _movable(n: Node) -> bool:
+    """A call that may run later than written: pure, deterministic, and used."""
+    t = n.target
+    if not n.users:
+        return False
+    if isinstance(t, torch._ops.OpOverload):
+        return not _mutable(t) and torch.Tag.nondeterministic_seeded not in t.tags
+    return t is operator.getitem
+
+
+def _written(n: Node) -> set:
+    """Storages an in-place call writes (``{None}``: unknown, treated as everything)."""
+    schema = n.target._schema
+    given = dict(zip((a.name for a in schema.arguments), n.args, strict=False)) | n.kwargs
+    out: set = set()
+    for a in schema.arguments:
+        v = given.get(a.name)
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(v, Node):
+            out |= _storages(v.meta.get("val"))
+    return out or {None}
+
+
+def sink_cpu_nodes(gm: GraphModule, reasons: dict[Node, str | None]) -> int:
+    """Move each pure CPU call down to just before its first user; returns how many moved.
+
+    One pass in graph order: a movable rejected node is held back and emitted right before
+    the first node that reads it. Any other call is not moved, so an op with effects (a cache
+    write, an assert, a random op) keeps its place among them, and a held node that reads a
+    storage an in-place op is about to write is emitted before that write. Unknown storage
+    (no fake value) counts as aliasing everything. Only the order changes, never the values.
+    """
+    held: dict[Node, set | None] = {}  # held node -> storages its inputs read (when needed)
+    order: list[Node] = []
+
+    def emit(n: Node) -> None:
+        if held:
+            for i in n.all_input_nodes:
+                if i in held:
+                    del held[i]
+                    emit(i)
+        order.append(n)
+
+    def reads(h: Node) -> set:
+        r = held[h]
+        if r is None:
+            r = set()
+            for i in h.all_input_nodes:
+                r |= _storages(i.meta["val"]) if "val" in i.meta else {None}
+            held[h] = r
+        return r
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and reasons.get(n) is not None and _movable(n):
+            held[n] = None
+            continue
+        if held and n.op == "call_function" and _mutable(n.target):
+            w = _written(n)
+            clash = [h for h in held if None in w or None in reads(h) or not reads(h).isdisjoint(w)]
+            for h in clash:
+                if h in held:
+                    del held[h]
+                    emit(h)
+        emit(n)
+    assert not held, "every held node has a user, emitted before it"
+    moved = 0
+    prev = None
+    for n in order:
+        if prev is not None and prev.next is not n:
+            prev.append(n)
+            moved += 1
+        prev = n
+    return moved
 
 
 def is_convex(gm: GraphModule, members: set[Node]) -> bool:

@@ -42,7 +42,7 @@ from fxpass.backends.bpu.cache import host_cpu_fingerprint, tool_versions
 from fxpass.backends.bpu.digest import hasher, rule_identity, source_digest, tensor_digest
 from fxpass.graph import FROZEN
 
-PLAN_VERSION = "1"
+PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value fix
 #: The CPU remainder's constants a plan may hold. Under BF16 promotion the remainder holds an
 #: f32 copy of the embedding table (125 MiB for a 32000 x 1024 vocabulary), which a 64 MiB
 #: bound refused; reading it back is far cheaper than re-running the rules.

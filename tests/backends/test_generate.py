@@ -240,13 +240,28 @@ def _seq2seq(name: str):
 
     torch.manual_seed(0)
     if name == "t5":  # unscaled attention, relative position bias, cross-attention cache
-        cfg = T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                       num_heads=4, decoder_start_token_id=0)
+        cfg = T5Config(
+            vocab_size=512,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+        )
         model = T5ForConditionalGeneration(cfg)
     else:
-        cfg = BartConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
-                         encoder_attention_heads=4, decoder_attention_heads=4,
-                         encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)
+        cfg = BartConfig(
+            vocab_size=512,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_position_embeddings=64,
+        )
         model = BartForConditionalGeneration(cfg)
     return model.eval(), torch.randint(2, 512, (1, 8))
 
@@ -258,8 +273,13 @@ def test_encoder_decoder_generate_matches_eager_scores(name, opts):
     # updates shared a fake value, and the attention decomposition read V as K: different
     # logits from the first token (found by trying encoder-decoders, which no issue names).
     model, ids = _seq2seq(name)
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
-              return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         expected = model.generate(ids, cache_implementation="static", **kw)
         before = len(fxpass.compile_reports())
@@ -271,3 +291,30 @@ def test_encoder_decoder_generate_matches_eager_scores(name, opts):
     reports = _new_reports(before)
     assert 1 <= len(reports) <= 2, [r.summary() for r in reports]
     assert all(len(r.regions) == 1 for r in reports), [str(r) for r in reports]
+
+
+def test_bf16_generate_is_one_region_per_graph(opts):
+    # BF16 promotion casts each new K/V row back to BF16 for the cache write-back right where
+    # the row is computed: that CPU cast sealed the region mid-layer (3 regions for 2 layers)
+    # until the partitioner learnt to sink CPU nodes to their first user.
+    model, ids = _model("qwen3")
+    model = model.to(torch.bfloat16)
+    kw = dict(
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        expected = model.generate(ids, cache_implementation="static", **kw)
+        before = len(fxpass.compile_reports())
+        compile_for_generate(model, max_cache_len=32, options=opts)
+        got = model.generate(ids, **kw)
+    # the regions compute in float32 (more accurate than eager's BF16 steps): BF16 tolerances
+    first = ids.shape[1] + 1
+    assert torch.equal(got.sequences[:, :first], expected.sequences[:, :first])
+    torch.testing.assert_close(got.scores[0], expected.scores[0], rtol=2e-2, atol=2e-2)
+    reports = _new_reports(before)
+    assert len(reports) == 2, [r.summary() for r in reports]
+    assert [len(r.regions) for r in reports] == [1, 1], [str(r) for r in reports]

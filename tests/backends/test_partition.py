@@ -66,6 +66,7 @@ def test_regions_are_convex_disjoint_and_contract_acyclically(dag):
         assert all(supported[n] for n in r.nodes)
     assert seen == {n for n, s in supported.items() if s}
     assert _contracted_is_acyclic(gm, all_regions)
+    gm.graph.lint()  # sinking CPU nodes kept every input before its users
 
 
 def test_side_branch_through_unsupported_op_splits_regions():
@@ -85,6 +86,49 @@ def test_side_branch_through_unsupported_op_splits_regions():
     groups = [set(r.nodes) for r in p.regions + [r for r, _ in p.dropped]]
     assert {a, b} in groups and {c} in groups
     assert p.rejected == {u: "no"}
+
+
+def test_an_early_cpu_consumer_is_sunk_and_does_not_seal_the_region():
+    # a (device) -> u (CPU, written right after a, read only by the final write) and
+    # a -> b -> c (device). Left in place, u seals {a} and b, c start a second region.
+    g = Graph()
+    x, buf = g.placeholder("x"), g.placeholder("buf")
+    a = g.call_function(aten.neg.default, (x,))
+    u = g.call_function(aten.sin.default, (a,))
+    b = g.call_function(aten.mul.Tensor, (a, x))
+    c = g.call_function(aten.add.Tensor, (b, x))
+    w = g.call_function(aten.copy_.default, (buf, u))
+    g.output((c,))
+    for n in (x, buf, a, u, b, c, w):
+        n.meta["val"] = torch.empty(2)
+    w.meta["val"] = buf.meta["val"]
+    gm = GraphModule(torch.nn.Module(), g)
+    p = partition(gm, lambda n: "no" if n in (u, w) else None)
+    assert [set(r.nodes) for r in p.regions + [r for r, _ in p.dropped]] == [{a, b, c}]
+    order = list(gm.graph.nodes)
+    assert order.index(u) == order.index(w) - 1  # moved down to its one user
+    gm.graph.lint()
+
+
+def test_a_sunk_cpu_node_still_reads_before_a_write_to_its_input():
+    # u reads buf; buf is written in place before u's user runs: u must stay before the write
+    def f(x, buf):
+        u = buf.sin()  # CPU
+        a = x.neg()  # device
+        buf.add_(1.0)
+        return a * u
+
+    x, buf = torch.randn(4), torch.randn(4)
+    gm = trace(f, x, buf.clone())
+    sin = next(n for n in gm.graph.nodes if n.target is aten.sin.default)
+    rejected = {sin} | {n for n in gm.graph.nodes if n.target is aten.add_.Tensor}
+    expected = f(x, buf.clone())
+    partition(gm, lambda n: "no" if n in rejected else None)
+    gm.recompile()
+    torch.testing.assert_close(gm(x, buf.clone()), expected)
+    order = list(gm.graph.nodes)
+    add_ = next(n for n in order if n.target is aten.add_.Tensor)
+    assert order.index(sin) < order.index(add_)
 
 
 def test_long_chain_splits_exactly_at_unsupported_nodes():
