@@ -54,6 +54,10 @@ def require_meta(gm: GraphModule) -> None:
         parent = n.args[0] if n.target is operator.getitem else None
         if isinstance(parent, Node) and isinstance(parent.meta.get("val"), (tuple, list)):
             n.meta["val"] = parent.meta["val"][n.args[1]]  # tracers skip non-tensor items
+        elif isinstance(n.target, torch._ops.OpOverload) and not n.target._schema.returns:
+            # an op that returns nothing (_assert_async, _assert_scalar, a profiler mark): its
+            # value is None; tracers record no meta for it
+            n.meta["val"] = None
         else:
             missing.append(n.name)
     if missing:

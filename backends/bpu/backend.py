@@ -33,7 +33,7 @@ from fxpass.backends.bpu.generation import warn_if_growing, warn_if_recompiling
 from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
-from fxpass.backends.bpu.runtime import RegionCall
+from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
 from fxpass.graph import FROZEN, is_static
 from fxpass.passmanager import PassManager
 from fxpass.plugins import select_rules
@@ -218,13 +218,41 @@ class GuardedGraph:
 
     def _build(self, gm: GraphModule) -> Callable:
         self.guard = self._snapshot(gm)
-        compiled, report = compile_graph(gm, self.opts)
+        try:
+            compiled, report = compile_graph(gm, self.opts)
+        except Exception as e:
+            if self.opts["strict"]:
+                raise
+            compiled, report = self._eager_fallback(e)
         self.report = report
         held = [p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder") if FROZEN in p.meta]
         self.variants[tuple(self.guard)] = (self.guard, compiled, report, held)
         while len(self.variants) > MAX_VARIANTS:
             del self.variants[next(iter(self.variants))]  # least recently used
         return compiled
+
+    def _eager_fallback(self, e: Exception) -> tuple[Callable, GraphReport]:
+        """A graph fxpass failed to compile runs as captured, with a warning and a report.
+
+        Why: a backend exception ends the user's program (Dynamo re-raises it), while the
+        captured graph is eager's answer. Each region already falls back this way on its own;
+        this covers a failure before there are regions (an op the rules or the partitioner
+        mishandle). ``strict=True`` raises instead."""
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        msg = (
+            f"fxpass_bpu: this graph failed to compile and runs eagerly ({why}); results stay "
+            "correct. Please report it; strict=True raises instead"
+        )
+        warnings.warn(msg, RegionFallbackWarning, stacklevel=3)
+        report = GraphReport(
+            graph=len(REPORTS),
+            march=str(self.opts.get("march") or DEFAULT_MARCH),
+            executor=str(self.opts.get("executor") or "auto"),
+        )
+        report.notes.append(msg)
+        REPORTS.append(report)
+        del REPORTS[:-MAX_REPORTS]
+        return self.pristine, report
 
     def __call__(self, *args: Any) -> Any:
         if self.eager_only:

@@ -7,6 +7,7 @@ import torch
 
 import fxpass
 from fxpass.backends.bpu import zoo
+from fxpass.backends.bpu.runtime import RegionFallbackWarning
 
 MODELS = ["qwen3", "llama", "mistral", "gpt2", "bert", "vit"]
 
@@ -286,3 +287,26 @@ def test_max_reduction_runs_as_a_pool_in_the_region_with_eager_nan_and_inf(opts)
     assert r.rewrites.get("amax_to_max_pool", 0) >= 2, str(r)
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_that_fails_before_partitioning_runs_eagerly_with_a_warning(opts, monkeypatch):
+    # a failure before there are regions (here: in the rewrite phase) must not end the user's
+    # program: the captured graph is eager's answer; strict=True raises
+    import fxpass.backends.bpu.backend as be
+
+    def broken(self, gm, **kw):
+        raise RuntimeError("injected rule failure")
+
+    monkeypatch.setattr(be.PassManager, "run", broken)
+    m = SideBranch().eval()
+    x = torch.randn(2, 16)
+    before = len(fxpass.compile_reports())
+    with torch.no_grad():
+        with pytest.warns(RegionFallbackWarning, match="failed to compile and runs eagerly.*inj"):
+            got = torch.compile(m, backend="fxpass_bpu", options={**opts, "cache": False})(x)
+        torch.testing.assert_close(got, m(x), rtol=0, atol=0)
+        (report,) = fxpass.compile_reports()[before:]
+        assert report.regions == [] and "injected rule failure" in report.notes[0]
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="injected rule failure"):
+            torch.compile(m, backend="fxpass_bpu", options={**opts, "strict": True})(x)

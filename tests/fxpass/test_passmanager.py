@@ -276,3 +276,23 @@ def test_one_passmanager_runs_many_graphs_from_threads():
     assert all(c > 0 for c in counts) and len(set(counts)) == 1
     assert gc.isenabled() == was  # the collector is restored after the last run ends
     assert not hasattr(pm, "_report") and not hasattr(pm, "_rw")
+
+
+def test_ops_that_return_nothing_need_no_meta():
+    # asserts (_assert_async, _assert_scalar) return None and tracers record no meta for them;
+    # NLLB-MoE's and Switch Transformers' decoders have them, and compiling failed on them
+    x = torch.randn(3, 4)
+    gm = trace(lambda a: a.neg() * 2.0, x)
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    with gm.graph.inserting_after(mul):
+        gt = gm.graph.call_function(aten.gt.Scalar, (mul, -1e9))
+        gt.meta["val"] = mul.meta["val"].gt(-1e9)
+    with gm.graph.inserting_after(gt):
+        ok = gm.graph.call_function(aten.all.default, (gt,))
+        ok.meta["val"] = gt.meta["val"].all()
+    with gm.graph.inserting_after(ok):
+        gm.graph.call_function(aten._assert_async.msg, (ok, "positive"))  # no meta["val"]
+    gm.recompile()
+    report = PassManager([neg_to_mul]).run(gm)
+    assert report.rewrites == {"neg_to_mul": 1}
+    torch.testing.assert_close(gm(x), x.neg() * 2.0)
