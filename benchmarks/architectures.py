@@ -9,6 +9,11 @@ its own process (one bad family cannot take the others down).
 - **Decoders** (``*ForCausalLM``, ``generate()``): a 4-token prompt and 20 new tokens, static
   cache via ``compile_for_generate``; a sliding window of 16 where the family has one, so
   sliding-window caches reach their "full" regime. Greedy tokens must equal eager's.
+- **Encoder-decoders** (``*ForConditionalGeneration``, ``generate()``): an 8-token prompt (or
+  audio features), static cache via ``compile_for_generate``, eager given the same
+  ``max_cache_len`` (LED, FSMT and NLLB-MoE change their logits with the cache length, in
+  eager alone). Tokens must equal eager's and every step's logits agree within rtol 1e-3,
+  atol 1e-4.
 - **Forward** (encoders, vision, audio, encoder-decoders): one ``torch.compile`` call, every
   output compared with eager's (fp32: rtol 1e-3, atol 1e-4).
 
@@ -170,6 +175,51 @@ FORWARD: dict[str, tuple[str, str, dict[str, Any], str]] = {
 }
 
 
+_BART = dict(_SEQ2SEQ, max_position_embeddings=128)
+_T5 = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+           decoder_start_token_id=0)
+_SPEECH = dict(vocab_size=512, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64)
+#: encoder-decoder family -> (config class, model class, config, inputs: a key of ``_inputs``)
+SEQ2SEQ: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "T5-generate": ("T5Config", "T5ForConditionalGeneration", _T5, "prompt"),
+    "MT5-generate": ("MT5Config", "MT5ForConditionalGeneration", _T5, "prompt"),
+    "LongT5-generate": ("LongT5Config", "LongT5ForConditionalGeneration",
+                        dict(_T5, local_radius=4, global_block_size=4), "prompt"),
+    "SwitchTransformers-generate": (
+        "SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration",
+        dict(_T5, num_decoder_layers=2, num_experts=4, expert_capacity=8,
+             num_sparse_encoder_layers=1,
+             num_sparse_decoder_layers=1), "prompt"),
+    "Bart-generate": ("BartConfig", "BartForConditionalGeneration", _BART, "prompt"),
+    "MBart-generate": ("MBartConfig", "MBartForConditionalGeneration", _BART, "prompt"),
+    "Marian-generate": ("MarianConfig", "MarianMTModel", dict(
+        _BART, decoder_vocab_size=512, pad_token_id=511, decoder_start_token_id=511,
+        eos_token_id=0, forced_eos_token_id=0), "prompt"),
+    "Pegasus-generate": ("PegasusConfig", "PegasusForConditionalGeneration", _BART, "prompt"),
+    "Blenderbot-generate": ("BlenderbotConfig", "BlenderbotForConditionalGeneration", _BART,
+                            "prompt"),
+    "M2M100-generate": ("M2M100Config", "M2M100ForConditionalGeneration", _BART, "prompt"),
+    "LED-generate": ("LEDConfig", "LEDForConditionalGeneration", dict(
+        _SEQ2SEQ, max_encoder_position_embeddings=128, max_decoder_position_embeddings=128,
+        attention_window=8), "prompt"),
+    "NllbMoe-generate": ("NllbMoeConfig", "NllbMoeForConditionalGeneration", dict(
+        _BART, num_experts=4, expert_capacity=8, encoder_sparse_step=2, decoder_sparse_step=2),
+        "prompt"),
+    "Whisper-generate": ("WhisperConfig", "WhisperForConditionalGeneration", dict(
+        _SPEECH, num_mel_bins=80, max_source_positions=32, max_target_positions=128,
+        pad_token_id=511, bos_token_id=511, eos_token_id=511, decoder_start_token_id=510,
+        suppress_tokens=[], begin_suppress_tokens=[511]), "mel80"),
+    "Speech2Text-generate": ("Speech2TextConfig", "Speech2TextForConditionalGeneration", dict(
+        _SPEECH, max_source_positions=128, max_target_positions=128, conv_channels=64,
+        input_feat_per_channel=80, input_channels=1), "fbank80"),
+    "Moonshine-generate": ("MoonshineConfig", "MoonshineForConditionalGeneration", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, encoder_num_hidden_layers=2,
+        decoder_num_hidden_layers=2, encoder_num_attention_heads=4,
+        decoder_num_attention_heads=4, max_position_embeddings=128), "wave4000"),
+}
+
+
 def _build(family: str) -> tuple[Any, Any]:
     import torch
     import transformers as tf
@@ -206,6 +256,10 @@ def _inputs(kind: str) -> dict[str, Any]:
         "seq2seq": lambda: {"input_ids": ids(16), "decoder_input_ids": ids(4)},
         "whisper": lambda: {"input_features": torch.randn(1, 16, 64, generator=g),
                             "decoder_input_ids": ids(4)},
+        "prompt": lambda: {"input_ids": ids(8)},
+        "mel80": lambda: {"input_features": torch.randn(1, 80, 64, generator=g)},
+        "fbank80": lambda: {"input_features": torch.randn(1, 64, 80, generator=g)},
+        "wave4000": lambda: {"input_values": torch.randn(1, 4000, generator=g)},
     }[kind]()
 
 
@@ -262,10 +316,41 @@ def _summary(family: str, match: bool, reports: list[Any], w: list[Any]) -> dict
     }
 
 
+def seq2seq_one(family: str, new_tokens: int) -> dict[str, Any]:
+    """One encoder-decoder family: ``generate()`` against eager at the same cache length."""
+    import torch
+    import transformers as tf
+
+    import fxpass
+    from fxpass.backends.bpu import compile_for_generate
+
+    cfg_name, model_name, kw, kind = SEQ2SEQ[family]
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(getattr(tf, cfg_name)(**kw)).eval()
+    x = _inputs(kind)
+    gen_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  output_scores=True, return_dict_in_generate=True)
+    cache_len = 64
+    with torch.no_grad():
+        model.generation_config.max_cache_len = cache_len
+        expected = model.generate(**x, cache_implementation="static", **gen_kw)
+        before = len(fxpass.compile_reports())
+        compile_for_generate(model, max_cache_len=cache_len, options={"min_compute_macs": 0})
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = model.generate(**x, **gen_kw)
+    match = torch.equal(got.sequences, expected.sequences) and all(
+        torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+        for a, b in zip(got.scores, expected.scores, strict=True))
+    return _summary(family, match, fxpass.compile_reports()[before:], w)
+
+
 def one(family: str, new_tokens: int) -> dict[str, Any]:
     """Run one family in this process (the parent runs each in a child)."""
     if family in FORWARD:
         return forward_one(family)
+    if family in SEQ2SEQ:
+        return seq2seq_one(family, new_tokens)
     import torch
 
     import fxpass
@@ -308,12 +393,17 @@ def run(families: list[str], new_tokens: int) -> list[dict[str, Any]]:
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    gen = [r for r in rows if r["family"] not in FORWARD]
+    gen = [r for r in rows if r["family"] not in FORWARD and r["family"] not in SEQ2SEQ]
+    s2s = [r for r in rows if r["family"] in SEQ2SEQ]
     fwd = [r for r in rows if r["family"] in FORWARD]
     parts = []
     if gen:
         parts.append("generate(), static cache, greedy fp32 (tokens equal eager's):\n\n"
                      + _table(gen, "tokens = eager"))
+    if s2s:
+        parts.append("encoder-decoder generate(), static cache of 64 for both, greedy fp32 "
+                     "(tokens equal eager's, every step's logits within rtol 1e-3, atol "
+                     "1e-4):\n\n" + _table(s2s, "tokens+logits = eager"))
     if fwd:
         parts.append("forward, fp32 (every output within rtol 1e-3, atol 1e-4 of eager's):\n\n"
                      + _table(fwd, "outputs = eager"))
@@ -352,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from benchmarks import harness
 
-    known = [*FAMILIES, *FORWARD]
+    known = [*FAMILIES, *SEQ2SEQ, *FORWARD]
     families = [f for f in args.only.split(",") if f] or known
     unknown = sorted(set(families) - set(known))
     if unknown:
