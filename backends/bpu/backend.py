@@ -129,6 +129,8 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
     opts.setdefault("strict", False)
     opts.setdefault("cache", True)
+    if opts["cache"]:  # a bad cache_dir or FXPASS_CACHE_MAX_BYTES fails here, not per graph
+        ArtifactCache(opts.get("cache_dir"))
     opts.setdefault("check", False)
     opts.setdefault("freeze_weights", True)
     opts.setdefault("host_fusions", True)
