@@ -15,6 +15,10 @@ aten, prims = torch.ops.aten, torch.ops.prims
 #: cast left on the CPU costs a few microseconds (``prims.convert_element_type`` goes through
 #: a Python autograd wrapper, ~80 us a call).
 CAST = aten._to_copy.default
+#: meta flag on a cast a decomposition inserted to compute in float32 as the fused kernel it
+#: replaces does (SDPA reads BF16 and accumulates in F32). Under BF16 promotion such a cast
+#: is the promotion of the fused op, so ``bf16_cast_cancel`` may undo a round trip through it.
+COMPUTE_F32 = "fxpass_compute_f32"
 
 
 def cast_to(node: Node) -> torch.dtype | None:

@@ -6,9 +6,12 @@ dtype=bf16)``, ``_softmax`` of bf16, ...) -> the same op on F32 (inputs cast up,
 ``bf16_cast_cancel`` removes each ``f32 -> bf16 -> f32`` round trip in which promotion inserted
 either cast (between two promoted ops, or next to a model's own ``.to(...)``), so a whole BF16
 region runs in F32 with casts only at its boundary: the region does not reproduce eager's
-intermediate BF16 roundings (it is more accurate). A round trip the model wrote itself with
-nothing promoted in between is kept. Casts of constants fold away (constant_folding). The model-
-visible dtype stays BF16: graph outputs are cast back.
+intermediate BF16 roundings (it is more accurate). The up cast may also be a decomposition's
+F32 accumulation (``COMPUTE_F32``: SDPA reads BF16 and accumulates in F32), which is the
+promotion of the fused op: Olmo2 and Cohere round q/k to BF16 right before attention, and
+that CPU cast split their BF16 decode step into 3 regions. A round trip the model wrote
+itself with nothing promoted in between is kept. Casts of constants fold away
+(constant_folding). The model-visible dtype stays BF16: graph outputs are cast back.
 
 Why: the BPU (hbdk4, hbDNN) has no BF16 type at all; without this, every BF16 op stays on
 the CPU. F32 inside the region is at least as accurate as eager BF16.
@@ -32,7 +35,7 @@ from torch.fx.node import map_arg
 
 from fxpass import rule
 from fxpass.pattern import P, Var, pattern_rule
-from fxpass.rules._util import CAST, aten, prims, writes
+from fxpass.rules._util import CAST, COMPUTE_F32, aten, prims, writes
 
 BF16, F32 = torch.bfloat16, torch.float32
 UP = "fxpass_bf16_cast"  # meta flag on the casts bf16_promotion inserts (up and back down)
@@ -159,8 +162,9 @@ ROUND_TRIP = P(CAST, P(CAST, Var("x", dtype=F32), dtype=BF16, name="down", share
 
 @pattern_rule(ROUND_TRIP, name="bf16_cast_cancel", default=False, applies=_graph_has_bf16)
 def bf16_cast_cancel(rw, m):
-    """cast(cast(x_f32, bf16), f32) -> x_f32 when bf16_promotion added either cast: the
-    round trip exists only because promotion moved one side to F32."""
-    if m.root.meta.get(UP) or m.down.meta.get(UP):
+    """cast(cast(x_f32, bf16), f32) -> x_f32 when bf16_promotion added either cast, or the up
+    cast is a decomposition's F32 accumulation (SDPA's): the round trip exists only because
+    a BF16 op was computed in F32."""
+    if m.root.meta.get(UP) or m.down.meta.get(UP) or m.root.meta.get(COMPUTE_F32):
         return m.x
     return None  # both casts are the model's own: its bf16 rounding is kept

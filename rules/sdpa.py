@@ -27,7 +27,7 @@ import torch
 
 from fxpass import rule
 from fxpass.graph import bind_args, same_layout
-from fxpass.rules._util import aten
+from fxpass.rules._util import CAST, COMPUTE_F32, aten
 
 
 def _op(name: str) -> Any:
@@ -125,6 +125,10 @@ def sdpa_decomposition(node, rw):
 
     args = (q, k, v) + ((mask,) if mask is not None else ())
     res = rw.inline(fn, *args, key=("sdpa", causal, scale, want_lse, want_w))
+    for x in (q, k, v):  # the kernel's own F32 accumulation, not a rounding the model asked for
+        for u in x.users:
+            if u.target is CAST and u.meta.get("fxpass_from") == ("sdpa_decomposition", node.name):
+                u.meta[COMPUTE_F32] = True
     res = res if isinstance(res, tuple) else (res,)
     out = _match_strides(rw, res[0], val[0] if tuple_out else val)
     if not tuple_out:

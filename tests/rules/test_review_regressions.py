@@ -166,3 +166,27 @@ def test_bf16_promotion_cast_value_is_the_real_casts(make):
         got, want = _f32_like(v), torch.ops.aten._to_copy.default(v, dtype=torch.float32)
     assert (got.shape, got.stride(), got.dtype, got.storage_offset()) == (
         want.shape, want.stride(), want.dtype, want.storage_offset())
+
+
+def test_bf16_round_trip_into_attention_is_cancelled_as_promotion():
+    # Olmo2 and Cohere compute rotary in F32, cast q/k to BF16 and call SDPA, whose
+    # decomposition casts back to F32 (the kernel's accumulation): a BF16 round trip that kept
+    # a CPU cast between the projections and the attention (3 regions per graph). Under BF16
+    # promotion it is cancelled like promotion's own; the model's plain round trip stays
+    # (test above).
+    def f(q, k, v):
+        q = (q.float() * 1.5).to(torch.bfloat16)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16) for _ in range(3))
+    gm = trace(f, q, k, v)
+    expected = F.scaled_dot_product_attention(q.float() * 1.5, k.float(), v.float())  # in F32
+    PassManager(select_rules(target="bpu")).run(gm)
+    casts = [n for n in gm.graph.nodes if n.target is aten._to_copy.default]
+    round_trips = [
+        n for n in casts if n.kwargs.get("dtype") == torch.float32
+        and n.args[0].target is aten._to_copy.default
+        and n.args[0].kwargs.get("dtype") == torch.bfloat16
+    ]
+    assert not round_trips, [str(n.args[0]) for n in round_trips]
+    torch.testing.assert_close(gm(q, k, v).float(), expected, rtol=1.6e-2, atol=1e-2)
