@@ -190,3 +190,20 @@ def test_bf16_round_trip_into_attention_is_cancelled_as_promotion():
     ]
     assert not round_trips, [str(n.args[0]) for n in round_trips]
     torch.testing.assert_close(gm(q, k, v).float(), expected, rtol=1.6e-2, atol=1e-2)
+
+
+def test_bf16_promotion_skips_an_op_without_a_float32_form():
+    # Mixtral's experts run aten._grouped_mm, whose meta kernel takes BF16 only: promoting it
+    # raised inside the rule and the whole BF16 graph fell back to eager (0 regions)
+    def f(a, b, offs):
+        return torch._grouped_mm(a * 2, b, offs=offs) + 1
+
+    a, b = torch.randn(6, 16, dtype=torch.bfloat16), torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([3, 6], dtype=torch.int32)
+    gm = trace(f, a, b, offs)
+    report = PassManager([bf16_promotion, bf16_cast_cancel]).run(gm)
+    mm = next(n for n in gm.graph.nodes if n.target is aten._grouped_mm.default)
+    assert mm.meta["val"].dtype == torch.bfloat16  # left as it was
+    assert any("no float32 form" in why for why in report.skip_reasons("bf16_promotion"))
+    assert report.rewrites.get("bf16_promotion", 0) >= 1  # its neighbours still promote
+    torch.testing.assert_close(gm(a, b, offs), f(a, b, offs), rtol=1.6e-2, atol=1e-2)
