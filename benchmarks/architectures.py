@@ -11,9 +11,10 @@ its own process (one bad family cannot take the others down).
   cache via ``compile_for_generate``; a sliding window of 16 where the family has one, so
   sliding-window caches reach their "full" regime. Greedy tokens must equal eager's (eager
   gets the same ``max_cache_len``). With ``--dtype bfloat16`` the weights are BF16 and the
-  regions compute in float32 (``bf16_promotion``): the first new token must equal eager's and
-  the first step's finite logits agree within rtol 1.6e-2, atol 1e-2 (later tokens may take
-  the other side of a near-tie); writes ``architectures-bf16.{json,md}``.
+  regions compute in float32 (``bf16_promotion``): the first step's finite logits must agree
+  within rtol 1.6e-2, atol 1e-2 and the first new token equal eager's unless eager's logits
+  tie it with ours within that tolerance (later tokens may take the other side of a
+  near-tie); writes ``architectures-bf16.{json,md}``.
 - **Encoder-decoders** (``*ForConditionalGeneration``, ``generate()``): an 8-token prompt (or
   audio features), static cache via ``compile_for_generate``, eager given the same
   ``max_cache_len`` (LED, FSMT and NLLB-MoE change their logits with the cache length, in
@@ -388,9 +389,15 @@ def one(family: str, new_tokens: int, dtype: str = "float32") -> dict[str, Any]:
     first = ids.shape[1] + 1
     a, b = got.scores[0].float(), expected.scores[0].float()
     fin = torch.isfinite(b)
-    match = torch.equal(got.sequences[:, :first], expected.sequences[:, :first]) and bool(
-        torch.equal(fin, torch.isfinite(a)) and torch.allclose(a[fin], b[fin], rtol=1.6e-2,
-                                                               atol=1e-2))
+    close = bool(torch.equal(fin, torch.isfinite(a))
+                 and torch.allclose(a[fin], b[fin], rtol=1.6e-2, atol=1e-2))
+    # another first token only on a near-tie: eager's own logit for our token is within the
+    # BF16 tolerance of its best (CodeGen: 0.3730 vs 0.3711, one BF16 step apart)
+    ours = got.sequences[0, first - 1]
+    best = b[0].max()
+    tie = bool(best - b[0, ours] <= 1e-2 + 1.6e-2 * best.abs())
+    same = torch.equal(got.sequences[:, :first], expected.sequences[:, :first])
+    match = close and (same or tie)
     return _summary(family, match, reports, w)
 
 
@@ -419,9 +426,10 @@ def to_markdown(rows: list[dict[str, Any]], dtype: str = "float32") -> str:
     fwd = [r for r in rows if r["family"] in FORWARD]
     parts = []
     if gen and dtype == "bfloat16":
-        parts.append("generate(), static cache, greedy, BF16 weights (the first new token equal "
-                     "to eager's, the first step's finite logits within rtol 1.6e-2, atol "
-                     "1e-2):\n\n" + _table(gen, "first token + logits = eager"))
+        parts.append("generate(), static cache, greedy, BF16 weights (the first step's finite "
+                     "logits within rtol 1.6e-2, atol 1e-2 of eager's; the first new token "
+                     "equal to eager's or tied with it within that):\n\n"
+                     + _table(gen, "first token + logits = eager"))
     elif gen:
         parts.append("generate(), static cache, greedy fp32 (tokens equal eager's):\n\n"
                      + _table(gen, "tokens = eager"))
