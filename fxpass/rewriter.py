@@ -319,14 +319,15 @@ class Rewriter:
         Distinct nodes do share a fake object, because a cached trace splices the same
         ``meta["val"]`` into every copy (the K and V cache updates of one layer, say). A T5
         cross-attention traced that way multiplied the queries by the values instead of the
-        keys. A repeat gets a fresh fake tensor of the same shape, strides and dtype; the
-        same node passed twice keeps its one value (both arguments are the same data).
+        keys. Every repeat gets a fresh fake tensor of the same shape, strides and dtype, also
+        the same node passed twice: a trace of ``f(x, x)`` that used one placeholder for both
+        is cached under a key that cannot tell, and ``f(b, c)`` would reuse it as ``f(c, c)``.
         """
-        seen: dict[int, Node] = {}
+        seen: set[int] = set()
         out = []
         for n in nodes:
             v = n.meta["val"]
-            if isinstance(v, torch.Tensor) and seen.setdefault(id(v), n) is not n:
+            if isinstance(v, torch.Tensor) and (id(v) in seen or seen.add(id(v))):
                 with self.fake_mode:
                     v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
             out.append(v)

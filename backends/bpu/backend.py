@@ -35,7 +35,7 @@ from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
 from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
 from fxpass.graph import FROZEN, is_static
-from fxpass.passmanager import PassManager
+from fxpass.passmanager import ContractError, FixpointError, PassManager
 from fxpass.plugins import select_rules
 
 log = logging.getLogger("fxpass.bpu")
@@ -181,6 +181,10 @@ def _clone(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, g)
 
 
+#: errors that check=True exists to raise (the graph-level eager fallback re-raises them)
+CHECK_ERRORS = (ContractError, FixpointError)
+
+
 class GuardedGraph:
     """The compiled graph plus a guard on frozen weights: a weight that changed (replaced or
     mutated in place) triggers a rebuild from the pristine graph, never a stale answer."""
@@ -223,7 +227,8 @@ class GuardedGraph:
         try:
             compiled, report = compile_graph(gm, self.opts)
         except Exception as e:
-            if self.opts["strict"]:
+            # strict, or check=True asking for rule-contract failures: they must surface
+            if self.opts["strict"] or (self.opts.get("check") and isinstance(e, CHECK_ERRORS)):
                 raise
             compiled, report = self._eager_fallback(e)
         self.report = report

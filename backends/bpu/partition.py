@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpass.backends.bpu.cost import macs
 
@@ -158,18 +157,6 @@ def partition(
     return Partition(regions, rejected, dropped)
 
 
-def _storages(v: object) -> set:
-    vals = v if isinstance(v, (tuple, list)) else (v,)
-    out = set()
-    for t in vals:
-        if isinstance(t, torch.Tensor):
-            try:
-                out.add(StorageWeakRef(t.untyped_storage()))
-            except (NotImplementedError, RuntimeError):  # no storage (sparse, nested, ...)
-                return {None}  # unknown: treated as aliasing anything
-    return out
-
-
 _MUTABLE: dict[object, bool] = {}  # OpOverload -> whether its schema writes an argument
 
 
@@ -190,59 +177,49 @@ def _movable(n: Node) -> bool:
     return t is operator.getitem
 
 
-def _written(n: Node) -> set:
-    """Storages an in-place call writes (``{None}``: unknown, treated as everything)."""
-    schema = n.target._schema
-    given = dict(zip((a.name for a in schema.arguments), n.args, strict=False)) | n.kwargs
-    out: set = set()
-    for a in schema.arguments:
-        v = given.get(a.name)
-        if a.alias_info is not None and a.alias_info.is_write and isinstance(v, Node):
-            out |= _storages(v.meta.get("val"))
-    return out or {None}
-
-
 def sink_cpu_nodes(gm: GraphModule, reasons: dict[Node, str | None]) -> int:
     """Move each pure CPU call down to just before its first user; returns how many moved.
 
     One pass in graph order: a movable rejected node is held back and emitted right before
     the first node that reads it. Any other call is not moved, so an op with effects (a cache
-    write, an assert, a random op) keeps its place among them, and a held node that reads a
-    storage an in-place op is about to write is emitted before that write. Unknown storage
-    (no fake value) counts as aliasing everything. Only the order changes, never the values.
+    write, an assert, a random op) keeps its place among them, and every held node is
+    emitted before the next in-place op: no node moves past a write (storage identity of
+    fake values is not kept by rewrites, so aliasing is not guessed). The cache write-backs a
+    decode step ends with are where the held casts of its new K/V rows were going anyway.
+    Linear: each node is held and emitted once; no recursion (a long CPU chain is fine).
     """
-    held: dict[Node, set | None] = {}  # held node -> storages its inputs read (when needed)
+    held: dict[Node, None] = {}  # insertion (graph) order
     order: list[Node] = []
 
-    def emit(n: Node) -> None:
-        if held:
-            for i in n.all_input_nodes:
+    def emit(root: Node) -> None:
+        stack = [(root, False)]
+        while stack:
+            n, ready = stack.pop()
+            if ready:
+                order.append(n)
+                continue
+            if n is not root:
+                if n not in held:  # emitted meanwhile, through another reader
+                    continue
+                del held[n]
+            stack.append((n, True))
+            for i in reversed(n.all_input_nodes):  # the first input is emitted first
                 if i in held:
-                    del held[i]
-                    emit(i)
-        order.append(n)
-
-    def reads(h: Node) -> set:
-        r = held[h]
-        if r is None:
-            r = set()
-            for i in h.all_input_nodes:
-                r |= _storages(i.meta["val"]) if "val" in i.meta else {None}
-            held[h] = r
-        return r
+                    stack.append((i, False))
 
     for n in gm.graph.nodes:
         if n.op == "call_function" and reasons.get(n) is not None and _movable(n):
             held[n] = None
             continue
         if held and n.op == "call_function" and _mutable(n.target):
-            w = _written(n)
-            clash = [h for h in held if None in w or None in reads(h) or not reads(h).isdisjoint(w)]
-            for h in clash:
+            for h in list(held):
                 if h in held:
                     del held[h]
                     emit(h)
-        emit(n)
+        if held:
+            emit(n)
+        else:
+            order.append(n)
     assert not held, "every held node has a user, emitted before it"
     moved = 0
     prev = None

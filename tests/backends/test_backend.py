@@ -310,3 +310,20 @@ def test_a_graph_that_fails_before_partitioning_runs_eagerly_with_a_warning(opts
         torch._dynamo.reset()
         with pytest.raises(Exception, match="injected rule failure"):
             torch.compile(m, backend="fxpass_bpu", options={**opts, "strict": True})(x)
+
+
+def test_check_mode_contract_errors_are_not_swallowed_by_the_fallback(opts, monkeypatch):
+    # check=True asks for rule-contract failures; the graph-level fallback must not turn them
+    # into a warning (review)
+    import fxpass.backends.bpu.backend as be
+    from fxpass import ContractError
+
+    def broken(self, gm, **kw):
+        raise ContractError("injected contract violation")
+
+    monkeypatch.setattr(be.PassManager, "run", broken)
+    m = SideBranch().eval()
+    with torch.no_grad(), pytest.raises(Exception, match="injected contract violation"):
+        torch.compile(m, backend="fxpass_bpu", options={**opts, "cache": False, "check": True})(
+            torch.randn(2, 16)
+        )

@@ -183,3 +183,21 @@ def test_macs_for_convolution_with_groups_stride_dilation_padding():
     out = conv(x, w)
     # every output element: Cin/groups * kh * kw MACs (independent formula from the real output)
     assert macs(node) == out.numel() * (8 // 2) * 3 * 5
+
+
+def test_a_long_chain_of_cpu_nodes_is_sunk_without_recursion():
+    # emit() was recursive: a chain of 1200 held CPU nodes raised RecursionError (review)
+    g = Graph()
+    x = g.placeholder("x")
+    cur, chain = x, []
+    for _ in range(3000):
+        cur = g.call_function(aten.neg.default, (cur,))
+        chain.append(cur)
+    out = g.call_function(aten.relu.default, (cur,))
+    g.output((out,))
+    for n in (x, *chain, out):
+        n.meta["val"] = torch.empty(2)
+    gm = GraphModule(torch.nn.Module(), g)
+    p = partition(gm, lambda n: "no" if n in set(chain) else None)
+    assert [r.nodes for r in p.regions + [r for r, _ in p.dropped]] == [[out]]
+    gm.graph.lint()

@@ -296,3 +296,21 @@ def test_ops_that_return_nothing_need_no_meta():
     report = PassManager([neg_to_mul]).run(gm)
     assert report.rewrites == {"neg_to_mul": 1}
     torch.testing.assert_close(gm(x), x.neg() * 2.0)
+
+
+def test_inline_cache_does_not_reuse_a_trace_of_a_repeated_node():
+    # f(x, x) traced with one placeholder for both, cached, then reused for f(y, z): y - z
+    # came out as z - z (found by review)
+    @rule(aten.add.Tensor)
+    def sub_via_inline(node, rw):
+        """add(a, b) -> inline(p - q)(a, b) with one cache key for every layout"""
+        a, b = node.args
+        rw.replace(node, rw.inline(lambda p, q: p - q, a, b, key="sub"))
+        return True
+
+    x, y, z = torch.randn(3), torch.randn(3), torch.randn(3)
+    gm = trace(lambda a, b, c: (a + a, b + c), x, y, z)
+    PassManager([sub_via_inline]).run(gm)
+    first, second = gm(x, y, z)
+    assert torch.equal(first, torch.zeros(3))
+    torch.testing.assert_close(second, y - z)
