@@ -322,33 +322,41 @@ def _summary(family: str, match: bool, reports: list[Any], w: list[Any]) -> dict
     }
 
 
+def _generate_pair(model: Any, inputs: dict[str, Any], new_tokens: int) -> tuple:
+    """Greedy ``generate()`` with per-step scores, eager then through ``compile_for_generate``,
+    both with a static cache of 64 (some families' logits depend on its length in eager
+    alone). Returns (eager, compiled, compile reports, recorded warnings)."""
+    import torch
+
+    import fxpass
+    from fxpass.backends.bpu import compile_for_generate
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        model.generation_config.max_cache_len = 64
+        expected = model.generate(**inputs, cache_implementation="static", **kw)
+        before = len(fxpass.compile_reports())
+        compile_for_generate(model, max_cache_len=64, options={"min_compute_macs": 0})
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = model.generate(**inputs, **kw)
+    return expected, got, fxpass.compile_reports()[before:], w
+
+
 def seq2seq_one(family: str, new_tokens: int) -> dict[str, Any]:
     """One encoder-decoder family: ``generate()`` against eager at the same cache length."""
     import torch
     import transformers as tf
 
-    import fxpass
-    from fxpass.backends.bpu import compile_for_generate
-
     cfg_name, model_name, kw, kind = SEQ2SEQ[family]
     torch.manual_seed(0)
     model = getattr(tf, model_name)(getattr(tf, cfg_name)(**kw)).eval()
-    x = _inputs(kind)
-    gen_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  output_scores=True, return_dict_in_generate=True)
-    cache_len = 64
-    with torch.no_grad():
-        model.generation_config.max_cache_len = cache_len
-        expected = model.generate(**x, cache_implementation="static", **gen_kw)
-        before = len(fxpass.compile_reports())
-        compile_for_generate(model, max_cache_len=cache_len, options={"min_compute_macs": 0})
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            got = model.generate(**x, **gen_kw)
+    expected, got, reports, w = _generate_pair(model, _inputs(kind), new_tokens)
     match = torch.equal(got.sequences, expected.sequences) and all(
         torch.allclose(a, b, rtol=1e-3, atol=1e-4)
         for a, b in zip(got.scores, expected.scores, strict=True))
-    return _summary(family, match, fxpass.compile_reports()[before:], w)
+    return _summary(family, match, reports, w)
 
 
 def one(family: str, new_tokens: int, dtype: str = "float32") -> dict[str, Any]:
@@ -359,28 +367,11 @@ def one(family: str, new_tokens: int, dtype: str = "float32") -> dict[str, Any]:
         return seq2seq_one(family, new_tokens)
     import torch
 
-    import fxpass
-    from fxpass.backends.bpu import compile_for_generate
-
     model, ids = _build(family)
     bf16 = dtype == "bfloat16"
     if bf16:
         model = model.to(torch.bfloat16)
-    model.generation_config.max_cache_len = 64
-
-    def gen(**kw: Any) -> Any:
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, output_scores=True,
-                                  return_dict_in_generate=True, **kw)
-
-    expected = gen(cache_implementation="static")
-    before = len(fxpass.compile_reports())
-    compile_for_generate(model, max_cache_len=64, options={"min_compute_macs": 0})
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        got = gen()
-    reports = fxpass.compile_reports()[before:]
+    expected, got, reports, w = _generate_pair(model, {"input_ids": ids}, new_tokens)
     if not bf16:
         return _summary(family, torch.equal(got.sequences, expected.sequences), reports, w)
     # BF16: the regions compute in float32 (more accurate than eager's BF16 steps), so later

@@ -230,6 +230,19 @@ def test_sliding_window_recompiles_warn_once_naming_the_fix(opts):
     assert "cumulative_length_int" in warned[0] and "compile_for_generate" in warned[0]
 
 
+def _eager_then_compiled(model, ids, max_cache_len: int, opts):
+    """Greedy generate() with per-step scores: eager (static cache), then compiled; and the
+    compile reports of the compiled run."""
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(ids, cache_implementation="static", **kw)
+        before = len(fxpass.compile_reports())
+        compile_for_generate(model, max_cache_len=max_cache_len, options=opts)
+        got = model.generate(ids, **kw)
+    return expected, got, _new_reports(before)
+
+
 def _seq2seq(name: str):
     from transformers import (
         BartConfig,
@@ -240,28 +253,13 @@ def _seq2seq(name: str):
 
     torch.manual_seed(0)
     if name == "t5":  # unscaled attention, relative position bias, cross-attention cache
-        cfg = T5Config(
-            vocab_size=512,
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=2,
-            num_heads=4,
-            decoder_start_token_id=0,
-        )
+        cfg = T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                       num_heads=4, decoder_start_token_id=0)
         model = T5ForConditionalGeneration(cfg)
     else:
-        cfg = BartConfig(
-            vocab_size=512,
-            d_model=64,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=128,
-            decoder_ffn_dim=128,
-            max_position_embeddings=64,
-        )
+        cfg = BartConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                         encoder_attention_heads=4, decoder_attention_heads=4,
+                         encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)
         model = BartForConditionalGeneration(cfg)
     return model.eval(), torch.randint(2, 512, (1, 8))
 
@@ -273,22 +271,10 @@ def test_encoder_decoder_generate_matches_eager_scores(name, opts):
     # updates shared a fake value, and the attention decomposition read V as K: different
     # logits from the first token (found by trying encoder-decoders, which no issue names).
     model, ids = _seq2seq(name)
-    kw = dict(
-        max_new_tokens=6,
-        min_new_tokens=6,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    with torch.no_grad():
-        expected = model.generate(ids, cache_implementation="static", **kw)
-        before = len(fxpass.compile_reports())
-        compile_for_generate(model, max_cache_len=16, options=opts)
-        got = model.generate(ids, **kw)
+    expected, got, reports = _eager_then_compiled(model, ids, 16, opts)
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.scores, expected.scores, strict=True):  # fp32 logits
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    reports = _new_reports(before)
     assert 1 <= len(reports) <= 2, [r.summary() for r in reports]
     assert all(len(r.regions) == 1 for r in reports), [str(r) for r in reports]
 
@@ -299,22 +285,10 @@ def test_bf16_generate_is_one_region_per_graph(opts):
     # until the partitioner learnt to sink CPU nodes to their first user.
     model, ids = _model("qwen3")
     model = model.to(torch.bfloat16)
-    kw = dict(
-        max_new_tokens=6,
-        min_new_tokens=6,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    with torch.no_grad():
-        expected = model.generate(ids, cache_implementation="static", **kw)
-        before = len(fxpass.compile_reports())
-        compile_for_generate(model, max_cache_len=32, options=opts)
-        got = model.generate(ids, **kw)
+    expected, got, reports = _eager_then_compiled(model, ids, 32, opts)
     # the regions compute in float32 (more accurate than eager's BF16 steps): BF16 tolerances
     first = ids.shape[1] + 1
     assert torch.equal(got.sequences[:, :first], expected.sequences[:, :first])
     torch.testing.assert_close(got.scores[0], expected.scores[0], rtol=2e-2, atol=2e-2)
-    reports = _new_reports(before)
     assert len(reports) == 2, [r.summary() for r in reports]
     assert [len(r.regions) for r in reports] == [1, 1], [str(r) for r in reports]
