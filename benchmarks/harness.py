@@ -87,6 +87,9 @@ def interleave(
     call. The pause is spent calling the contender rather than sleeping, because under load a
     sleeping process lost its cores and the next sample paid for it.
     """
+    from fxpass.backends.bpu import settle
+
+    settle()  # steady state: every tiered host region has its prepacked session
     number: dict[str, int] = {}
     todo: dict[str, int] = {}
     for name, fn in contenders.items():

@@ -2,5 +2,6 @@
 
 from fxpass.backends.bpu.calibration import calibrate
 from fxpass.backends.bpu.generation import compile_for_generate
+from fxpass.backends.bpu.runtime import settle
 
-__all__ = ["calibrate", "compile_for_generate"]
+__all__ = ["calibrate", "compile_for_generate", "settle"]

@@ -76,6 +76,11 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "check": (bool, "run rule contract checks while compiling"),
     "threads": ((int, type(None)), "onnxruntime intra-op threads"),
     "host_fusions": (bool, "onnxscript's onnxruntime fusions on host regions (default True)"),
+    "tiered": (
+        bool,
+        "host regions that prepack large weights run an in-place-weights session until the "
+        "prepacked one is built in the background (default True); False builds it first",
+    ),
     "quantize": (
         (str, dict, bool, type(None)),
         "quantize regions: 'w8a16' (int8 per-channel weights, int16 activations), 'w8a8', "
@@ -443,6 +448,7 @@ def _compile_regions(
                 cache=cache,
                 options=_region_options(opts),
                 threads=opts.get("threads"),
+                tiered=opts.get("tiered", True),
             )
             inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
             call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts["strict"])

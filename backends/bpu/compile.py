@@ -42,9 +42,11 @@ from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
     cast_weight,
     fuse_for_ort,
+    in_place_model,
     prepack_helps,
     saves_prepacked,
     shared_weights,
+    tier_pays,
 )
 from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.lowering import (
@@ -55,13 +57,15 @@ from fxpass.backends.bpu.lowering import (
 )
 from fxpass.backends.bpu.lowering.driver import Weights
 from fxpass.backends.bpu.region import RegionGraph
-from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor
+from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor, TieredExecutor
 
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")
 #: dtypes a cached entry may ask a weight to be cast to (``host.cast_weight``)
 _CAST_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.float64)}
 #: the cache entry's file of the optimized host model's weights (external data beside it)
 WEIGHTS_SUFFIX = ".host.bin"
+#: a tiered entry's first-tier model (weights fed in place; ``host.in_place_model``)
+FAST_SUFFIX = ".fast.onnx"
 HBDK4_HELP = (
     "executor='hbdnn' needs hbdk4 to compile: install the hbdk4-compiler wheel from Horizon's "
     "OpenExplorer toolchain (x86-64 Linux), and run on an RDK board image that ships the "
@@ -112,7 +116,10 @@ def compile_region(
     cache: ArtifactCache | None,
     options: dict[str, Any],
     threads: int | None = None,
+    tiered: bool = True,
 ) -> Compiled:
+    """``tiered``: a host region that prepacks starts on an in-place-weights session while the
+    prepacked one builds in the background (``runtime.TieredExecutor``)."""
     kind = resolve_executor(executor)
     key = region_key(rg.gm, march=march, executor=kind, options=options)
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
@@ -122,7 +129,7 @@ def compile_region(
     if cfg is not None:
         return _compile_quantizing(rg, name, key, input_names, march, kind, cfg, cache, threads)
     fuse = options.get("host_fusions", True)
-    return _compile_ort(rg, name, key, input_names, cache, threads, fuse)
+    return _compile_ort(rg, name, key, input_names, cache, threads, fuse, tiered)
 
 
 def _compile_ort(
@@ -133,6 +140,7 @@ def _compile_ort(
     cache: ArtifactCache | None,
     threads: int | None = None,
     fuse: bool = True,
+    tiered: bool = True,
 ) -> Compiled:
     """The host executor: the region's model reads the model's own weights in place.
 
@@ -150,15 +158,52 @@ def _compile_ort(
     of the Qwen3 4 x 1024 entry: 0.31 s with it on or off) and costs this one a second write of
     every weight and a second session. The entry then keeps the lowering's own model and weights
     (``"optimized": false``; each process optimizes at load), and the one session opened on them
-    keeps running: moving the files into the cache keeps what it maps."""
+    keeps running: moving the files into the cache keeps what it maps.
+
+    A region that prepacks large weights is tiered (``tiered``, ``host.in_place_model``): this
+    returns as soon as an in-place-weights session is open, and everything above (the weights
+    file, the prepacked session, the entry) is built in the background. The entry then also
+    keeps that first tier's model (``.fast.onnx``, kilobytes), so a hit opens it at once too."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     frozen = {rg.sources[c]: t for c, t in buffers.items()}
     if cache is not None:
-        hit = _cached_ort(cache, key, input_names, threads, frozen)
+        hit = _cached_ort(cache, key, input_names, threads, frozen, tiered)
         if hit is not None:
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
     proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
+    if tiered and prepack_helps(proto) and tier_pays(weights, buffers):
+        fusions: dict[str, int] = {}
+        if fuse:
+            proto, fusions = fuse_for_ort(proto)
+        first = in_place_model(proto, weights, buffers) if prepack_helps(proto) else None
+        if first is not None:
+            data, shared = first
+            fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False)
+            fast_meta = {n: rg.sources[n] for n in shared}
+
+            def second() -> Any:
+                return _build_ort(rg, key, input_names, cache, threads, proto, weights,
+                                  buffers, fusions, (data, fast_meta)).executor
+
+            size = len(data) + sum(t.numel() * t.element_size() for t in shared.values())
+            return Compiled(TieredExecutor(fast, second, name), key, False, size, fusions)
+        return _build_ort(rg, key, input_names, cache, threads, proto, weights, buffers, fusions)
+    return _build_ort(rg, key, input_names, cache, threads, proto, weights, buffers,
+                      None if fuse else {})
+
+
+def _build_ort(
+    rg: RegionGraph, key: str, input_names: list[str], cache: ArtifactCache | None,
+    threads: int | None, proto: onnx.ModelProto, weights: Weights,
+    buffers: dict[str, torch.Tensor], fusions: dict[str, int] | None,
+    fast: tuple[bytes, dict[str, str]] | None = None,
+) -> Compiled:
+    """``_compile_ort`` from the lowered model: ``fusions`` None runs them here (beside the
+    weights write), else they ran already. ``fast``: a tiered region's first-tier model and
+    its shared inputs' weights, stored with the entry."""
+    fuse = fusions is None
+    fusions = dict(fusions or {})
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(_build_dir(cache)) if cache is not None else None
         # A region onnxruntime prepacks feeds no weight in place: all of them are written, to a
@@ -170,7 +215,6 @@ def _compile_ort(
             checksum = Checksum()
             early = (pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
                                  checksum.update), checksum)
-        fusions: dict[str, int] = {}
         if fuse:
             proto, fusions = fuse_for_ort(proto)
         prepack = prepack_helps(proto)
@@ -199,8 +243,11 @@ def _compile_ort(
 
         if cache is None or tmp is None:
             return in_memory(proto, weights)
+        if fast is not None:
+            meta["fast"] = fast[1]
         return _store_ort(cache, key, tmp, proto, weights, early, session, in_memory,
-                          keep_optimized, meta, fusions, input_names, threads, shared, prepack)
+                          keep_optimized, meta, fusions, input_names, threads, shared, prepack,
+                          fast[0] if fast is not None else None)
 
 
 def _store_ort(
@@ -208,6 +255,7 @@ def _store_ort(
     early: tuple[Future, Checksum] | None, session: Any, in_memory: Any,
     keep_optimized: bool, meta: dict[str, Any], fusions: dict[str, int],
     input_names: list[str], threads: int | None, shared: dict[str, torch.Tensor], prepack: bool,
+    fast: bytes | None = None,
 ) -> Compiled:
     """Write the region's files in the build directory ``tmp``, open its session and store the
     entry (``_compile_ort`` says which files). The weights go to disk straight from their
@@ -227,6 +275,10 @@ def _store_ort(
         point_external(proto, weights, layout, weights_name)
         with open(src, "wb") as f:
             f.write(proto.SerializeToString())
+        fast_path = os.path.join(tmp, "fast.onnx")
+        if fast is not None:
+            with open(fast_path, "wb") as f:
+                f.write(fast)
     except OSError as e:  # a full disk costs the caching, never the offload
         cache.warn_unwritable(e)
         return in_memory(proto, weights)
@@ -250,8 +302,12 @@ def _store_ort(
     # compiled twice at once) is a miss, never one process's model over the other's file.
     bin_sum = checksum.value() if not keep_optimized else file_checksum(bin_path)
     parts = {WEIGHTS_SUFFIX: bin_sum, ".host.onnx": file_checksum(opt)}
+    files = [(WEIGHTS_SUFFIX, bin_path), (".host.onnx", opt)]
+    if fast is not None:
+        parts[FAST_SUFFIX] = file_checksum(fast_path)
+        files.append((FAST_SUFFIX, fast_path))
     stored, mine = {}, []  # mine: the files' inodes, which a move into the cache keeps
-    for suffix, path in ((WEIGHTS_SUFFIX, bin_path), (".host.onnx", opt)):
+    for suffix, path in files:
         mine.append(os.stat(path).st_ino)
         stored[suffix] = cache.put_file(key, suffix, path, checksum=parts[suffix])
         if stored[suffix] is None:
@@ -313,11 +369,15 @@ def _cached_ort(
     input_names: list[str],
     threads: int | None,
     frozen: dict[str, torch.Tensor],
+    tiered: bool = True,
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager.
 
     ``frozen`` maps the graph's frozen placeholders to their tensors; the entry names the ones
-    its shared initializers read (the key covers their digests, so they hold the same data)."""
+    its shared initializers read (the key covers their digests, so they hold the same data).
+    A tiered entry (``FAST_SUFFIX``) opens its first tier here and verifies and opens the
+    prepacked model in the background; if that fails, the entry is discarded (the next process
+    compiles it again) and the first tier keeps running."""
     hit = cache.get_path(key, ".host.onnx")
     info = cache.get(key, ".host.json")
     if hit is None or info is None:
@@ -330,12 +390,7 @@ def _cached_ort(
             isinstance(k, str) and isinstance(v, int) for k, v in fusions.items()
         ):
             raise ValueError(f"fusions are not a {{name: count}} object: {fusions!r:.80}")
-        if not isinstance(names, dict) or not isinstance(prepack, bool):
-            raise ValueError(f"shared weights / prepack malformed: {names!r:.80}")
-        missing = [src for src in names.values() if src not in frozen]
-        if missing:  # another graph's weights: not this entry's (the key should not collide)
-            raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
-        shared = {init: frozen[src] for init, src in names.items()}
+        shared = _bind(names, frozen)
         casts = meta.get("casts", {})  # entries before cast weights were made here: none
         if not isinstance(casts, dict) or not all(
             isinstance(v, list) and len(v) == 2 and v[0] in frozen and v[1] in _CAST_DTYPES
@@ -344,29 +399,90 @@ def _cached_ort(
             raise ValueError(f"cast weights malformed or not of this graph: {casts!r:.80}")
         shared.update({init: cast_weight(frozen[src], _CAST_DTYPES[dt])
                        for init, (src, dt) in casts.items()})
+        if not isinstance(prepack, bool):
+            raise ValueError(f"prepack is not a bool: {prepack!r:.40}")
         external = meta.get("weights")  # entries before the weights file: none
+        if external is not None and external != WEIGHTS_SUFFIX:
+            raise ValueError(f"weights file suffix {external!r:.40} is not {WEIGHTS_SUFFIX}")
+        optimized = meta.get("optimized", True)  # entries before unoptimized ones: all were
+        if not isinstance(optimized, bool):
+            raise ValueError(f"optimized is not a bool: {optimized!r:.40}")
+        parts = meta.get("parts")
+        first = _first_tier(cache, key, meta, parts, input_names, threads, frozen) if (
+            tiered and external is not None) else None
+    except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
+        _warn_unloadable(path, e)
+        return None
+
+    def second(strict: bool) -> OrtExecutor | None:
+        """The prepacked session over the verified entry; None (or, ``strict``, an error)
+        where the entry's weights file is gone, damaged or from another store."""
+        nonlocal size
         if external is not None:
-            if external != WEIGHTS_SUFFIX:
-                raise ValueError(f"weights file suffix {external!r:.40} is not {WEIGHTS_SUFFIX}")
             found = cache.get_path(key, WEIGHTS_SUFFIX)  # verified like the model
             if found is None:
-                return None  # evicted or damaged: compile again
+                return _missing(strict, "its weights file is evicted or damaged")
             size += found[1]
-            parts = meta.get("parts")
             if not isinstance(parts, dict) or any(
                 parts.get(s) is None or parts.get(s) != cache.stored_checksum(key, s)
                 for s in (".host.onnx", WEIGHTS_SUFFIX)
             ):
-                return None  # parts of two stores (a race on the key): compile again
-        optimized = meta.get("optimized", True)  # entries before unoptimized ones: all were
-        if not isinstance(optimized, bool):
-            raise ValueError(f"optimized is not a bool: {optimized!r:.40}")
-        ex = OrtExecutor(str(path), input_names, threads=threads, preoptimized=optimized,
-                         shared=shared, prepack=prepack)
-    except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
-        _warn_unloadable(path, e)
+                return _missing(strict, "its parts come from two stores")
+        try:
+            return OrtExecutor(str(path), input_names, threads=threads, preoptimized=optimized,
+                               shared=shared, prepack=prepack)
+        except Exception as e:  # noqa: BLE001 - any load failure of a cached entry: rebuild
+            if strict:
+                raise
+            _warn_unloadable(path, e)
+            return None
+
+    if first is not None:
+        with contextlib.suppress(OSError):  # reported, not verified: the second tier does that
+            size += os.path.getsize(cache.path(key, WEIGHTS_SUFFIX))
+
+        def build() -> OrtExecutor | None:
+            try:
+                return second(strict=True)
+            except Exception:
+                cache.discard(key, ".host.json")  # the next process compiles it again
+                raise
+        return Compiled(TieredExecutor(first, build, key[:12]), key, True, size, fusions)
+    ex = second(strict=False)
+    return None if ex is None else Compiled(ex, key, True, size, fusions)
+
+
+def _bind(names: Any, frozen: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An entry's shared inputs (initializer -> frozen placeholder) bound to this graph's
+    tensors; ValueError if malformed or naming a weight the graph does not have."""
+    if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+        raise ValueError(f"shared weights malformed: {names!r:.80}")
+    missing = [src for src in names.values() if src not in frozen]
+    if missing:  # another graph's weights: not this entry's (the key should not collide)
+        raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
+    return {init: frozen[src] for init, src in names.items()}
+
+
+def _first_tier(
+    cache: ArtifactCache, key: str, meta: dict, parts: Any, input_names: list[str],
+    threads: int | None, frozen: dict[str, torch.Tensor],
+) -> OrtExecutor | None:
+    """A tiered entry's first-tier session (its model is kilobytes), or None if the entry has
+    none or it is not of this store."""
+    names = meta.get("fast")
+    if names is None or not isinstance(parts, dict):
         return None
-    return Compiled(ex, key, True, size, fusions)
+    found = cache.get_path(key, FAST_SUFFIX)
+    if found is None or parts.get(FAST_SUFFIX) != cache.stored_checksum(key, FAST_SUFFIX):
+        return None
+    return OrtExecutor(str(found[0]), input_names, threads=threads,
+                       shared=_bind(names, frozen), prepack=False)
+
+
+def _missing(strict: bool, why: str) -> None:
+    if strict:
+        raise OSError(f"the cached prepacked model cannot be used: {why}")
+    return None
 
 
 def _warn_unloadable(path: os.PathLike, e: Exception) -> None:

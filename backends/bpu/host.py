@@ -31,7 +31,7 @@ import threading
 import onnx
 import torch
 
-from fxpass.backends.bpu.lowering.driver import Weights
+from fxpass.backends.bpu.lowering.driver import Weights, write_weights
 
 # onnxscript's fusion rules are module-level objects whose matchers keep the current match on
 # the instance, so two threads fusing at once corrupt each other's bindings ("check() missing
@@ -137,6 +137,40 @@ def shared_weights(
         g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type,
                                                           list(init.dims)))
     return shared
+
+
+#: A region that prepacks opens on a first-tier session that reads its weights in place when
+#: they come to at least this much (``runtime.TieredExecutor``): prepacking costs ~1 ms per MB
+#: when a session opens, so below this the caller would save too little to run a second session.
+TIER_MIN_BYTES = 16 * 2**20
+
+
+def tier_pays(weights: Weights, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a region that prepacks should open on a first tier (``in_place_model``): its
+    frozen weights that could be read in place come to :data:`TIER_MIN_BYTES`, and none is a
+    cast. A cast weight would need a float32 copy for the first tier beside onnxruntime's
+    prepacked one while the second builds (a BF16 model: 4x its weights' bytes at the peak)."""
+    if weights.casts:
+        return False
+    total = sum(t.numel() * t.element_size() for n, t in tensors.items() if n in weights)
+    return total >= TIER_MIN_BYTES
+
+
+def in_place_model(
+    proto: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
+) -> tuple[bytes, dict[str, torch.Tensor]] | None:
+    """The first tier of a region that prepacks: a copy of its (fused, weightless) model whose
+    frozen weights are graph inputs read in place (:func:`shared_weights`), the small rest
+    written in; with the inputs' tensors. ``proto`` and ``weights`` are left as they were (the
+    second tier writes them). None if too little is read in place (:func:`tier_pays`)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    rest = Weights()
+    rest.update(weights)
+    shared = shared_weights(model, rest, tensors)
+    if sum(t.numel() * t.element_size() for t in shared.values()) < TIER_MIN_BYTES:
+        return None
+    return write_weights(model, rest).SerializeToString(), shared
 
 
 def cast_weight(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

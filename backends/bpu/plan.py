@@ -11,7 +11,8 @@ compile report's numbers. It is filed under a key of the captured graph itself
   arguments such as eps, dims and strides) and output shape/dtype, and the inputs' strides;
 - a full digest of every frozen weight and graph constant (memoized per process, see
   ``digest.py``), and which inputs are frozen;
-- the options (all but ``cache_dir``), march, executor and, for the host, the CPU fingerprint;
+- the options (all but ``cache_dir`` and ``tiered``), march, executor and, for the host, the
+  CPU fingerprint;
 - the rule set: each selected rule's name, plugin distribution and version, priority, roots
   and the digest of the source module of its function (an edited plugin misses);
 - the source of the backend and the core (``fxpass``, ``fxpass.backends.bpu``) and the tool
@@ -47,7 +48,7 @@ PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value f
 #: f32 copy of the embedding table (125 MiB for a 32000 x 1024 vocabulary), which a 64 MiB
 #: bound refused; reading it back is far cheaper than re-running the rules.
 MAX_CONSTANT_BYTES = 512 * 1024**2
-_NOT_KEYED_OPTIONS = ("cache_dir",)
+_NOT_KEYED_OPTIONS = ("cache_dir", "tiered")  # neither changes a result
 
 
 class Unencodable(Exception):
@@ -262,7 +263,8 @@ def region_entry(module: str, rid: int, name: str, c: Any, rg: Any, r: Any) -> d
 
 
 def load(
-    cache: Any, key: str, threads: int | None, frozen: dict[str, torch.Tensor]
+    cache: Any, key: str, threads: int | None, frozen: dict[str, torch.Tensor],
+    tiered: bool = True,
 ) -> tuple[dict, list[tuple[dict, Any]]] | None:
     """The stored plan and each region's loaded artifact (``compile.Compiled``), or None.
 
@@ -280,7 +282,7 @@ def load(
         plan["_consts"] = consts  # decode() loads them with weights_only=True
         loaded = []
         for r in plan["regions"]:
-            c = _cached_ort(cache, r["key"], r["input_names"], threads, frozen)
+            c = _cached_ort(cache, r["key"], r["input_names"], threads, frozen, tiered)
             if c is None:
                 return None
             loaded.append((r, c))
@@ -331,7 +333,7 @@ def apply(
 
     frozen = {p.name: p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder")
               if FROZEN in p.meta}
-    got = load(cache, key, opts.get("threads"), frozen)
+    got = load(cache, key, opts.get("threads"), frozen, opts.get("tiered", True))
     if got is None:
         return None
     plan, loaded = got

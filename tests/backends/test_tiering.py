@@ -1,0 +1,200 @@
+"""Tiered host sessions (issue 12, warm and cold backend time): a region that prepacks large
+weights answers from an in-place-weights session while the prepacked one is built in the
+background, then switches; results are eager's in both tiers, cold and from the cache."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+
+import fxpass
+from fxpass.backends.bpu import compile as compile_mod
+from fxpass.backends.bpu import host
+from fxpass.backends.bpu.runtime import OrtExecutor, TieredExecutor, settle
+
+
+class _Tiered(TieredExecutor):
+    made: list[_Tiered] = []
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        _Tiered.made.append(self)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64, bias=False)
+    ).eval().to(dtype)
+
+
+@pytest.fixture
+def small_tier(monkeypatch):
+    """Tier this test's small model (the default bound is 16 MiB of weights read in place)."""
+    monkeypatch.setattr(host, "TIER_MIN_BYTES", 64 * 1024)
+    monkeypatch.setattr(compile_mod, "TieredExecutor", _Tiered)
+    _Tiered.made = []
+
+
+def _compile(m, x, tmp_path, **options):
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False,
+                      options={"min_compute_macs": 0, "cache_dir": str(tmp_path), **options})
+    with torch.no_grad():
+        return c, c(x)
+
+
+def _prepacks(ex: OrtExecutor) -> bool:
+    cfg = ex.session.get_session_options().get_session_config_entry
+    try:
+        return cfg("session.disable_prepacking") != "1"
+    except Exception:  # noqa: BLE001 - onnxruntime raises for an entry never set
+        return True
+
+
+def _meta(tmp_path) -> dict | None:
+    found = list(tmp_path.rglob("*.host.json"))
+    return json.loads(found[0].read_bytes()) if found else None
+
+
+def test_cold_compile_returns_before_the_prepacked_session_exists(
+    small_tier, tmp_path, monkeypatch
+):
+    gate = threading.Event()
+    build = compile_mod._build_ort
+
+    def held(*a, **k):  # the second tier waits until the first has answered
+        assert gate.wait(60)
+        return build(*a, **k)
+
+    monkeypatch.setattr(compile_mod, "_build_ort", held)
+    m, x = _model(), torch.randn(16, 64)
+    c, out = _compile(m, x, tmp_path)
+    with torch.no_grad():
+        ref = m(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # float32
+    (tier,) = _Tiered.made
+    first = tier.current
+    assert isinstance(first, OrtExecutor) and not _prepacks(first)
+    params = {p.data_ptr() for p in m.parameters() if p.dim() == 2}
+    assert {t.data_ptr() for t in first.shared.values()} == params, "weights read in place"
+    assert _meta(tmp_path) is None, "the entry is written by the second tier, later"
+
+    gate.set()
+    second = tier.wait()
+    assert second is not first and _prepacks(second) and not second.shared
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), ref, rtol=1e-5, atol=1e-5)
+    assert tier.current is second
+    meta = _meta(tmp_path)
+    assert meta["prepack"] is True and len(set(meta["fast"].values())) == 2  # both weights
+    assert list(tmp_path.rglob("*.fast.onnx")), "the first tier's model is in the entry"
+
+
+def test_cache_hit_opens_its_first_tier_from_the_entry(small_tier, tmp_path):
+    m, x = _model(), torch.randn(16, 64)
+    _compile(m, x, tmp_path)
+    settle()  # the entry is complete
+    twin = _model()  # same values, other tensors: a hit binds these
+    _Tiered.made = []
+    c, out = _compile(twin, x, tmp_path)
+    assert fxpass.compile_reports()[-1].regions[0].cached is True
+    with torch.no_grad():
+        ref = twin(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (tier,) = _Tiered.made
+    second = tier.wait()
+    assert _prepacks(second)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_damaged_weights_file_keeps_the_first_tier_and_drops_the_entry(small_tier, tmp_path):
+    m, x = _model(), torch.randn(16, 64)
+    _compile(m, x, tmp_path)
+    settle()
+    (weights,) = tmp_path.rglob("*.host.bin")
+    raw = bytearray(weights.read_bytes())
+    raw[-5] ^= 0xFF  # inside the last weight
+    weights.write_bytes(bytes(raw))
+    _Tiered.made = []
+    with warnings.catch_warnings(record=True) as seen:  # the build may fail before the call
+        warnings.simplefilter("always")
+        c, out = _compile(_model(), x, tmp_path)
+        (tier,) = _Tiered.made
+        kept = tier.wait()
+    with torch.no_grad():
+        ref = m(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    said = [str(w.message) for w in seen if w.category is RuntimeWarning]
+    assert len(said) == 1 and "keeps its in-place-weights session" in said[0], said
+    assert "weights file is evicted or damaged" in said[0], "names the cause"
+    assert not _prepacks(kept), "no damaged weight was loaded"
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), ref, rtol=1e-5, atol=1e-5)
+    assert _meta(tmp_path) is None, "discarded: the next process compiles it again"
+    _compile(_model(), x, tmp_path)
+    assert fxpass.compile_reports()[-1].regions[0].cached is False
+
+
+def test_tiered_false_builds_the_prepacked_session_first(small_tier, tmp_path):
+    m, x = _model(), torch.randn(16, 64)
+    _, out = _compile(m, x, tmp_path, tiered=False)
+    assert _Tiered.made == []
+    assert _meta(tmp_path)["prepack"] is True and "fast" not in _meta(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_small_or_cast_weights_are_not_tiered(tmp_path, monkeypatch):
+    """Below 16 MiB read in place there is too little to save; a BF16 model's weights are
+    casts, whose float32 copies would sit beside the prepacked ones while it builds."""
+    monkeypatch.setattr(compile_mod, "TieredExecutor", _Tiered)
+    _Tiered.made = []
+    x = torch.randn(16, 64)
+    _compile(_model(), x, tmp_path / "a")
+    assert _Tiered.made == []
+    monkeypatch.setattr(host, "TIER_MIN_BYTES", 1)
+    m = _model(torch.bfloat16)
+    _, out = _compile(m, x.to(torch.bfloat16), tmp_path / "b")
+    assert _Tiered.made == []
+    with torch.no_grad():  # bf16: the host computes in float32, one rounding at the end
+        torch.testing.assert_close(out.float(), m(x.to(torch.bfloat16)).float(),
+                                   rtol=1.6e-2, atol=1e-2)
+
+
+def test_failed_build_warns_and_the_first_tier_keeps_answering():
+    calls = []
+
+    def first(*t):
+        calls.append("first")
+        return t
+
+    def boom():
+        raise OSError("disk full")
+
+    ex = TieredExecutor(first, boom, "r")
+    with pytest.warns(RuntimeWarning, match="OSError: disk full"):
+        assert ex.wait() is first
+    assert ex(1, 2) == (1, 2) and calls == ["first"]
+
+
+def test_calls_during_the_build_use_the_first_tier_then_the_second():
+    gate = threading.Event()
+
+    def second(*t):
+        return ("second",)
+
+    def build():
+        assert gate.wait(60)
+        return second
+
+    ex = TieredExecutor(lambda *t: ("first",), build, "r")
+    assert [ex() for _ in range(3)] == [("first",)] * 3
+    gate.set()
+    ex.wait()
+    assert ex() == ("second",)
