@@ -38,6 +38,7 @@ from fxpass.backends.bpu.cache import (
     region_key,
 )
 from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
+from fxpass.backends.bpu.digest import fresh_digest, tensor_digest
 from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
     cast_weight,
@@ -181,10 +182,22 @@ def _compile_ort(
             data, shared = first
             fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False)
             fast_meta = {n: rg.sources[n] for n in shared}
+            keyed = {c: tensor_digest(t) for c, t in buffers.items()}  # memoized by the key
 
             def second() -> Any:
-                return _build_ort(rg, key, input_names, cache, threads, proto, weights,
-                                  buffers, fusions, (data, fast_meta)).executor
+                built = _build_ort(rg, key, input_names, cache, threads, proto, weights,
+                                   buffers, fusions, (data, fast_meta)).executor
+                # The first call has returned, so the caller may have written a weight
+                # meanwhile (through .data, which no version counter sees): then the entry
+                # holds values its key does not name. Checked after the store, in this thread.
+                changed = [c for c, t in buffers.items() if fresh_digest(t) != keyed[c]]
+                if changed:
+                    if cache is not None:
+                        cache.discard(key, ".host.json")
+                    raise RuntimeError(
+                        f"weight {rg.sources[changed[0]]!r} changed while the prepacked "
+                        "session was built; its entry is discarded")
+                return built
 
             size = len(data) + sum(t.numel() * t.element_size() for t in shared.values())
             return Compiled(TieredExecutor(fast, second, name), key, False, size, fusions)

@@ -65,6 +65,13 @@ def _hash(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def fresh_digest(t: torch.Tensor) -> str:
+    """:func:`tensor_digest` hashed now, never from the memo: for checking that a weight still
+    holds what its key says after writes that no version counter sees (``.data``)."""
+    STATS["hashed"] += 1
+    return _hash(t)
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """The digest of ``t``'s dtype, shape and every byte of its data, memoized (see module doc)."""
     if t.is_inference():  # no version counter: a write could not be seen, so never memoize

@@ -95,6 +95,34 @@ def test_cold_compile_returns_before_the_prepacked_session_exists(
     assert list(tmp_path.rglob("*.fast.onnx")), "the first tier's model is in the entry"
 
 
+def test_weight_written_during_the_build_never_reaches_the_cache(
+    small_tier, tmp_path, monkeypatch
+):
+    """The caller has its answer before the second tier writes the weights. A write through
+    ``.data`` (no version counter sees it) in between must not be stored under the key of the
+    old values: the build checks the weights against the key afterwards and drops the entry."""
+    gate = threading.Event()
+    build = compile_mod._build_ort
+
+    def held(*a, **k):
+        assert gate.wait(60)
+        return build(*a, **k)
+
+    monkeypatch.setattr(compile_mod, "_build_ort", held)
+    m, x = _model(), torch.randn(16, 64)
+    c, _ = _compile(m, x, tmp_path)
+    (tier,) = _Tiered.made
+    with torch.no_grad():
+        m[0].weight.data.mul_(-1)
+    gate.set()
+    with pytest.warns(RuntimeWarning, match="changed while the prepacked session was built"):
+        kept = tier.wait()
+    assert not _prepacks(kept)
+    assert _meta(tmp_path) is None, "no entry under the old values' key"
+    with torch.no_grad():  # the first tier reads the weights in place: the new values
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+
 def test_cache_hit_opens_its_first_tier_from_the_entry(small_tier, tmp_path):
     m, x = _model(), torch.randn(16, 64)
     _compile(m, x, tmp_path)
