@@ -179,9 +179,9 @@ def _compile_ort(
             proto, fusions = fuse_for_ort(proto)
         first = in_place_model(proto, weights, buffers) if prepack_helps(proto) else None
         if first is not None:
-            data, shared = first
+            data, shared, attrs = first
             fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False)
-            fast_meta = {n: rg.sources[n] for n in shared}
+            fast_meta = {n: rg.sources[attrs[n]] for n in shared}
             keyed = {c: tensor_digest(t) for c, t in buffers.items()}  # memoized by the key
 
             def second() -> Any:

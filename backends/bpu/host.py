@@ -99,6 +99,9 @@ MIN_SHARED_BYTES = 64 * 1024
 PREPACK_MAX_ROWS = 1
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch.int32,
                  torch.int8, torch.uint8, torch.bool)
+#: weight dtypes a first tier reads in place and casts in its graph (``in_place_model``);
+#: BF16 has no numpy dtype, so the executor feeds it as an OrtValue (``runtime._feed``)
+_FEEDABLE = {torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float16: onnx.TensorProto.FLOAT16}
 
 
 def shared_weights(
@@ -146,31 +149,55 @@ TIER_MIN_BYTES = 16 * 2**20
 
 
 def tier_pays(weights: Weights, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether a region that prepacks should open on a first tier (``in_place_model``): its
-    frozen weights that could be read in place come to :data:`TIER_MIN_BYTES`, and none is a
-    cast. A cast weight would need a float32 copy for the first tier beside onnxruntime's
-    prepacked one while the second builds (a BF16 model: 4x its weights' bytes at the peak)."""
-    if weights.casts:
-        return False
-    total = sum(t.numel() * t.element_size() for n, t in tensors.items() if n in weights)
-    return total >= TIER_MIN_BYTES
+    """Whether a region that prepacks should open on a first tier (``in_place_model``): the
+    frozen weights it could read in place (as they are, or the sources of casts) come to
+    :data:`TIER_MIN_BYTES`."""
+    names = {n for n in weights if n in tensors}
+    names |= {src for src, _ in weights.casts.values() if src in tensors}
+    return sum(tensors[n].numel() * tensors[n].element_size() for n in names) >= TIER_MIN_BYTES
 
 
 def in_place_model(
     proto: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
-) -> tuple[bytes, dict[str, torch.Tensor]] | None:
+) -> tuple[bytes, dict[str, torch.Tensor], dict[str, str]] | None:
     """The first tier of a region that prepacks: a copy of its (fused, weightless) model whose
     frozen weights are graph inputs read in place (:func:`shared_weights`), the small rest
-    written in; with the inputs' tensors. ``proto`` and ``weights`` are left as they were (the
-    second tier writes them). None if too little is read in place (:func:`tier_pays`)."""
+    written in. A cast weight (a BF16 weight computed in float32) is read in place as it is and
+    cast by a ``Cast`` node on every call: the first tier runs only until the second is built,
+    and a float32 copy would add twice the BF16 bytes beside onnxruntime's prepacked copy.
+    Returns the model, each input's tensor and the region attribute it is. ``proto`` and
+    ``weights`` are left as they were (the second tier writes them). None if too little is
+    read in place (:func:`tier_pays`)."""
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     rest = Weights()
     rest.update(weights)
-    shared = shared_weights(model, rest, tensors)
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    shared, attrs, casts = {}, {}, []
+    for name, (src, dtype) in weights.casts.items():
+        t = tensors.get(src)
+        if (name not in inits or t is None or t.device.type != "cpu" or not t.is_contiguous()
+                or t.dtype not in _FEEDABLE or dtype != torch.float32
+                or t.numel() * t.element_size() < MIN_SHARED_BYTES):
+            continue
+        g.initializer.remove(inits[name])
+        del rest[name]
+        inp = f"{name}__in_place"
+        g.input.append(onnx.helper.make_tensor_value_info(inp, _FEEDABLE[t.dtype], list(t.shape)))
+        casts.append(onnx.helper.make_node("Cast", [inp], [name], to=onnx.TensorProto.FLOAT))
+        shared[inp], attrs[inp] = t.detach(), src
+    rest.casts = {}  # what is left of them stays written
+    if casts:  # first: their inputs are graph inputs
+        nodes = [*casts, *g.node]
+        del g.node[:]
+        g.node.extend(nodes)
+    plain = shared_weights(model, rest, tensors)
+    shared.update(plain)
+    attrs.update({n: n for n in plain})
     if sum(t.numel() * t.element_size() for t in shared.values()) < TIER_MIN_BYTES:
         return None
-    return write_weights(model, rest).SerializeToString(), shared
+    return write_weights(model, rest).SerializeToString(), shared, attrs
 
 
 def cast_weight(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -70,7 +70,7 @@ class OrtExecutor:
         if STOP_SPINNING:
             so.add_session_config_entry("session.force_spinning_stop", "1")
         self.shared = dict(shared or {})
-        self._static = {name: t.numpy() for name, t in self.shared.items()}  # views
+        self._static = {name: _feed(t, ort) for name, t in self.shared.items()}  # views
         if not prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
         if preoptimized:  # already optimized offline (cached): skip the optimizer
@@ -206,6 +206,17 @@ class HbmExecutor:
             _tensor(outs[k])
             for k in sorted(outs, key=lambda s: int(s[3:]) if s[3:].isdigit() else 0)
         )
+
+
+def _feed(t: torch.Tensor, ort: Any) -> Any:
+    """A weight fed in place: a numpy view, or for BF16 (no numpy dtype) an OrtValue over the
+    tensor's own memory (its bits as int16, typed BFLOAT16; onnxruntime copies nothing)."""
+    if t.dtype == torch.bfloat16:
+        import onnx
+
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            t.view(torch.int16).numpy(), onnx.TensorProto.BFLOAT16)
+    return t.numpy()
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

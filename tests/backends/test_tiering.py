@@ -14,7 +14,7 @@ import torch
 import fxpass
 from fxpass.backends.bpu import compile as compile_mod
 from fxpass.backends.bpu import host
-from fxpass.backends.bpu.runtime import OrtExecutor, TieredExecutor, settle
+from fxpass.backends.bpu.runtime import OrtExecutor, TieredExecutor, _tier_pool, settle
 
 
 class _Tiered(TieredExecutor):
@@ -25,10 +25,10 @@ class _Tiered(TieredExecutor):
         _Tiered.made.append(self)
 
 
-def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _model(dtype: torch.dtype = torch.float32, hidden: int = 256) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64, bias=False)
+        torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 64, bias=False)
     ).eval().to(dtype)
 
 
@@ -38,6 +38,15 @@ def small_tier(monkeypatch):
     monkeypatch.setattr(host, "TIER_MIN_BYTES", 64 * 1024)
     monkeypatch.setattr(compile_mod, "TieredExecutor", _Tiered)
     _Tiered.made = []
+
+
+@pytest.fixture
+def hold_builds():
+    """Second tiers queue behind this until it is set (the pool has one worker)."""
+    gate = threading.Event()
+    _tier_pool().submit(gate.wait, 60)
+    yield gate
+    gate.set()
 
 
 def _compile(m, x, tmp_path, **options):
@@ -178,21 +187,54 @@ def test_tiered_false_builds_the_prepacked_session_first(small_tier, tmp_path):
         torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
 
 
-def test_small_or_cast_weights_are_not_tiered(tmp_path, monkeypatch):
-    """Below 16 MiB read in place there is too little to save; a BF16 model's weights are
-    casts, whose float32 copies would sit beside the prepacked ones while it builds."""
+def test_small_weights_are_not_tiered(tmp_path, monkeypatch):
+    """Below 16 MiB read in place, a second session would save the caller too little."""
     monkeypatch.setattr(compile_mod, "TieredExecutor", _Tiered)
     _Tiered.made = []
-    x = torch.randn(16, 64)
-    _compile(_model(), x, tmp_path / "a")
-    assert _Tiered.made == []
-    monkeypatch.setattr(host, "TIER_MIN_BYTES", 1)
-    m = _model(torch.bfloat16)
-    _, out = _compile(m, x.to(torch.bfloat16), tmp_path / "b")
-    assert _Tiered.made == []
-    with torch.no_grad():  # bf16: the host computes in float32, one rounding at the end
-        torch.testing.assert_close(out.float(), m(x.to(torch.bfloat16)).float(),
-                                   rtol=1.6e-2, atol=1e-2)
+    m, x = _model(), torch.randn(16, 64)
+    _, out = _compile(m, x, tmp_path)
+    assert _Tiered.made == [] and "fast" not in _meta(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_first_tier_casts_the_weights_in_its_graph(small_tier, tmp_path, hold_builds):
+    """A BF16 model's host region computes in float32. Its first tier reads the BF16 weights
+    in place (an OrtValue over their memory) and casts them per call, so no float32 copy sits
+    beside the prepacked one while the second tier builds; both tiers give eager's answer
+    within BF16 tolerance, cold and from the cache."""
+    m, x = _model(torch.bfloat16, 512), torch.randn(16, 64).to(torch.bfloat16)  # 64 KiB each
+    with torch.no_grad():
+        ref = m(x).float()
+    c, out = _compile(m, x, tmp_path)
+    (tier,) = _Tiered.made
+    first = tier.current
+    bf16 = {p.data_ptr() for p in m.parameters() if p.dim() == 2}
+    assert {t.data_ptr() for t in first.shared.values() if t.dtype == torch.bfloat16} == bf16
+    assert all(t.dtype == torch.bfloat16 for t in first.shared.values() if t.dim() == 2)
+    tol = {"rtol": 1.6e-2, "atol": 1e-2}  # bf16 output rounding
+    torch.testing.assert_close(out.float(), ref, **tol)
+    hold_builds.set()
+    second = tier.wait()
+    assert _prepacks(second)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x).float(), ref, **tol)
+    assert len(_meta(tmp_path)["fast"]) == 2
+
+    twin = _model(torch.bfloat16, 512)
+    _Tiered.made = []
+    hold_builds.clear()
+    _tier_pool().submit(hold_builds.wait, 60)
+    c, out = _compile(twin, x, tmp_path)
+    assert fxpass.compile_reports()[-1].regions[0].cached is True
+    (tier,) = _Tiered.made
+    assert {t.data_ptr() for t in tier.current.shared.values() if t.dim() == 2} == {
+        p.data_ptr() for p in twin.parameters() if p.dim() == 2}
+    torch.testing.assert_close(out.float(), ref, **tol)
+    hold_builds.set()
+    assert _prepacks(tier.wait())
+    with torch.no_grad():
+        torch.testing.assert_close(c(x).float(), ref, **tol)
 
 
 def test_failed_build_warns_and_the_first_tier_keeps_answering():
