@@ -3,13 +3,16 @@
 Each measurement runs in a fresh process with an empty artifact cache (``FXPASS_CACHE_DIR`` in
 a new temp dir): build the model (random weights, ``fxpass.backends.bpu.zoo``), run one eager
 forward, then reset the kernel's peak-RSS mark (``/proc/self/clear_refs`` = 5) and read the
-baseline ``VmRSS``. Compile and make the first call, then read ``VmHWM`` (peak RSS since the
-reset). Reported: ``(peak - baseline) / weights`` and ``(after - baseline) / weights``, where
-``weights`` is the bytes of every parameter and buffer of the model. Linux only.
+baseline ``VmRSS``. Compile and make the first call, wait for any tiered region's
+background build (``fxpass.backends.bpu.settle``) and make a second call, then read ``VmHWM``
+(peak RSS since the reset). Reported: ``(peak - baseline) / weights`` and
+``(after - baseline) / weights``, where ``weights`` is the bytes of every parameter and
+buffer of the model. Linux only.
 
 ``--baseline-rev REV`` measures the same thing with the code of an earlier commit, from a
 temporary ``git worktree`` put first on ``PYTHONPATH`` (the working tree is not touched), so
-"before" and "after" come from one run, side by side.
+"before" and "after" come from one run, side by side. ``--untiered`` adds the current code
+with ``tiered=False`` (host regions build their prepacked session before the first call).
 
     python -m benchmarks.compile_memory [--model qwen3-4l-1024] [--dtypes fp32 bf16]
         [--baseline-rev 5716ab2] [--repeat 1] [--out benchmarks/results/compile_memory.json]
@@ -32,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = "FXPASS_COMPILE_MEMORY "
 DTYPES = ("fp32", "bf16")
 
+
+#: the child's tiered option (``--untiered``): "off" compiles with tiered=False
+TIER_ENV = "FXPASS_MEM_TIERED"
+UNTIERED = {"off": {"tiered": False}}
 
 def _status(field: str) -> int:
     """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in bytes."""
@@ -59,9 +66,17 @@ def child(model_name: str, dtype_name: str, tokens: int) -> dict[str, Any]:
     base = _status("VmRSS")
     t0 = time.perf_counter()
     with torch.no_grad():
-        compiled = torch.compile(model, backend="fxpass_bpu", options={"strict": True})
+        opts = {"strict": True, **UNTIERED.get(os.environ.get(TIER_ENV, ""), {})}
+        compiled = torch.compile(model, backend="fxpass_bpu", options=opts)
         got = compiled(**kwargs).logits
-    seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        try:  # a tiered region builds its prepacked session after the call: count it too
+            from fxpass.backends.bpu import settle
+        except ImportError:  # a baseline revision from before tiering
+            settle = None
+        if settle is not None:
+            settle()
+        compiled(**kwargs)  # (both revisions) the call that switches to the second tier
     peak, after = _status("VmHWM"), _status("VmRSS")
     err = (got.float() - expected.float()).abs().max().item()
     report = fxpass.compile_reports()[-1]
@@ -81,8 +96,10 @@ def child(model_name: str, dtype_name: str, tokens: int) -> dict[str, Any]:
     }
 
 
-def _run(model: str, dtype: str, tokens: int, src: Path | None) -> dict[str, Any]:
+def _run(model: str, dtype: str, tokens: int, src: Path | None, tiered: bool = True
+         ) -> dict[str, Any]:
     env = dict(os.environ)
+    env[TIER_ENV] = "on" if tiered else "off"
     with tempfile.TemporaryDirectory(prefix="fxpass-mem-cache-") as cache:
         env["FXPASS_CACHE_DIR"] = cache
         if src is not None:
@@ -115,22 +132,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-rev", default=None, help="also measure this commit (before)")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell; the median is kept")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--untiered", action="store_true",
+                   help="also measure the current code with tiered=False")
     p.add_argument("--child", nargs=3, metavar=("MODEL", "DTYPE", "TOKENS"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         print(MARK + json.dumps(child(a.child[0], a.child[1], int(a.child[2]))), flush=True)
         return
     tmp = tempfile.TemporaryDirectory(prefix="fxpass-mem-rev-")
-    sources: dict[str, Path | None] = {"current": None}
+    sources: dict[str, tuple[Path | None, bool]] = {"current": (None, True)}
+    if a.untiered:
+        sources["untiered"] = (None, False)
     if a.baseline_rev:
-        sources = {a.baseline_rev: _worktree(a.baseline_rev, Path(tmp.name) / "src"), **sources}
+        sources = {a.baseline_rev: (_worktree(a.baseline_rev, Path(tmp.name) / "src"), True),
+                   **sources}
     rows = []
     try:
         for dtype in a.dtypes:
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sources}
             for _ in range(a.repeat):  # interleaved: before, after, before, after, ...
-                for label, src in sources.items():
-                    runs[label].append(_run(a.model, dtype, a.tokens, src))
+                for label, (src, tiered) in sources.items():
+                    runs[label].append(_run(a.model, dtype, a.tokens, src, tiered))
             for label, rs in runs.items():
                 row = dict(rs[0], code=label)
                 for k in ("peak_delta_mb", "after_delta_mb", "peak_x_weights"):

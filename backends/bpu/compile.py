@@ -180,7 +180,8 @@ def _compile_ort(
         first = in_place_model(proto, weights, buffers) if prepack_helps(proto) else None
         if first is not None:
             data, shared, attrs = first
-            fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False)
+            fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False,
+                               arena=False)
             fast_meta = {n: rg.sources[attrs[n]] for n in shared}
             keyed = {c: tensor_digest(t) for c, t in buffers.items()}  # memoized by the key
 
@@ -489,7 +490,7 @@ def _first_tier(
     if found is None or parts.get(FAST_SUFFIX) != cache.stored_checksum(key, FAST_SUFFIX):
         return None
     return OrtExecutor(str(found[0]), input_names, threads=threads,
-                       shared=_bind(names, frozen), prepack=False)
+                       shared=_bind(names, frozen), prepack=False, arena=False)
 
 
 def _missing(strict: bool, why: str) -> None:

@@ -188,8 +188,13 @@ def in_place_model(
         casts.append(onnx.helper.make_node("Cast", [inp], [name], to=onnx.TensorProto.FLOAT))
         shared[inp], attrs[inp] = t.detach(), src
     rest.casts = {}  # what is left of them stays written
-    if casts:  # first: their inputs are graph inputs
-        nodes = [*casts, *g.node]
+    if casts:  # each right before its first user, so each float32 copy dies after its use
+        pending = {c.output[0]: c for c in casts}
+        nodes = []
+        for nd in g.node:
+            nodes.extend(pending.pop(i) for i in nd.input if i in pending)
+            nodes.append(nd)
+        nodes[:0] = pending.values()  # (no user: cannot happen; kept valid anyway)
         del g.node[:]
         g.node.extend(nodes)
     plain = shared_weights(model, rest, tensors)
