@@ -224,7 +224,9 @@ def _build_ort(
         # file that depends on the weights alone. It is written while the fusions rewrite the
         # weightless model (the one is I/O, the other Python: they overlap on two cores).
         early = None  # (the write, the checksum it feeds)
-        if tmp is not None and prepack_helps(proto):
+        # (Only while fusions run: a tiered region's build runs on the tier thread, possibly
+        # during interpreter exit, when no new thread pool may start.)
+        if tmp is not None and fuse and prepack_helps(proto):
             pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fxpass-weights"))
             checksum = Checksum()
             early = (pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),

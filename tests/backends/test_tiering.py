@@ -5,6 +5,8 @@ background, then switches; results are eager's in both tiers, cold and from the 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -268,3 +270,25 @@ def test_calls_during_the_build_use_the_first_tier_then_the_second():
     gate.set()
     ex.wait()
     assert ex() == ("second",)
+
+
+def test_a_process_that_exits_right_after_its_first_call_still_stores_the_entry(tmp_path):
+    """The second tier builds after the first call; a process that ends then must still write
+    its cache entry (the interpreter joins the tier thread), so the next process hits."""
+    script = f"""
+import torch
+from fxpass.backends.bpu import host
+host.TIER_MIN_BYTES = 64 * 1024
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                        torch.nn.Linear(256, 64, bias=False)).eval()
+with torch.no_grad():
+    torch.compile(m, backend="fxpass_bpu", dynamic=False, options={{
+        "min_compute_macs": 0, "cache_dir": {str(tmp_path)!r}}})(torch.randn(16, 64))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    meta = _meta(tmp_path)
+    assert meta is not None and "fast" in meta, "the entry was stored before the exit"
+    assert list(tmp_path.rglob("*.host.bin")) and list(tmp_path.rglob("*.fast.onnx"))
