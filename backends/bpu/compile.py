@@ -185,12 +185,11 @@ def _compile_ort(
             fast_meta = {n: rg.sources[attrs[n]] for n in shared}
             keyed = {c: tensor_digest(t) for c, t in buffers.items()}  # memoized by the key
 
-            def second() -> Any:
-                built = _build_ort(rg, key, input_names, cache, threads, proto, weights,
-                                   buffers, fusions, (data, fast_meta)).executor
-                # The first call has returned, so the caller may have written a weight
-                # meanwhile (through .data, which no version counter sees): then the entry
-                # holds values its key does not name. Checked after the store, in this thread.
+            def unchanged() -> None:
+                """The first call has returned, so the caller may have written a weight
+                meanwhile (through .data, which no version counter sees): then the files
+                hold values the key does not name. Checked before the entry is published,
+                and again after (a write during the publish)."""
                 changed = [c for c, t in buffers.items() if fresh_digest(t) != keyed[c]]
                 if changed:
                     if cache is not None:
@@ -198,6 +197,11 @@ def _compile_ort(
                     raise RuntimeError(
                         f"weight {rg.sources[changed[0]]!r} changed while the prepacked "
                         "session was built; its entry is discarded")
+
+            def second() -> Any:
+                built = _build_ort(rg, key, input_names, cache, threads, proto, weights,
+                                   buffers, fusions, (data, fast_meta), unchanged).executor
+                unchanged()
                 return built
 
             size = len(data) + sum(t.numel() * t.element_size() for t in shared.values())
@@ -212,6 +216,7 @@ def _build_ort(
     threads: int | None, proto: onnx.ModelProto, weights: Weights,
     buffers: dict[str, torch.Tensor], fusions: dict[str, int] | None,
     fast: tuple[bytes, dict[str, str]] | None = None,
+    check: Any = None,
 ) -> Compiled:
     """``_compile_ort`` from the lowered model: ``fusions`` None runs them here (beside the
     weights write), else they ran already. ``fast``: a tiered region's first-tier model and
@@ -263,7 +268,7 @@ def _build_ort(
             meta["fast"] = fast[1]
         return _store_ort(cache, key, tmp, proto, weights, early, session, in_memory,
                           keep_optimized, meta, fusions, input_names, threads, shared, prepack,
-                          fast[0] if fast is not None else None)
+                          fast[0] if fast is not None else None, check)
 
 
 def _store_ort(
@@ -272,6 +277,7 @@ def _store_ort(
     keep_optimized: bool, meta: dict[str, Any], fusions: dict[str, int],
     input_names: list[str], threads: int | None, shared: dict[str, torch.Tensor], prepack: bool,
     fast: bytes | None = None,
+    check: Any = None,
 ) -> Compiled:
     """Write the region's files in the build directory ``tmp``, open its session and store the
     entry (``_compile_ort`` says which files). The weights go to disk straight from their
@@ -330,6 +336,12 @@ def _store_ort(
             cache.discard(key, WEIGHTS_SUFFIX)  # no partial entry left behind
             return Compiled(ex, key, False, size, fusions)
     meta["parts"] = parts
+    if check is not None:  # last word before the entry is published (.host.json names it)
+        try:
+            check()
+        except Exception:
+            cache.discard(key, WEIGHTS_SUFFIX)
+            raise
     # The optimized model's session maps the build directory's weights.bin, which is
     # deleted on the way out: its blocks would stay allocated, unseen by the cache's size
     # bound, for as long as the model lives. Run from the stored entry instead, as a hit
@@ -407,6 +419,8 @@ def _cached_ort(
         ):
             raise ValueError(f"fusions are not a {{name: count}} object: {fusions!r:.80}")
         shared = _bind(names, frozen)
+        if not _readable_in_place(shared):
+            return None  # same values in another layout: compile for this one
         casts = meta.get("casts", {})  # entries before cast weights were made here: none
         if not isinstance(casts, dict) or not all(
             isinstance(v, list) and len(v) == 2 and v[0] in frozen and v[1] in _CAST_DTYPES
@@ -484,15 +498,26 @@ def _first_tier(
     threads: int | None, frozen: dict[str, torch.Tensor],
 ) -> OrtExecutor | None:
     """A tiered entry's first-tier session (its model is kilobytes), or None if the entry has
-    none or it is not of this store."""
+    none, it is not of this store, or this graph's weights cannot be read in place
+    (:func:`_readable_in_place`); then the prepacked model (weights from its file) opens."""
     names = meta.get("fast")
     if names is None or not isinstance(parts, dict):
+        return None
+    shared = _bind(names, frozen)
+    if not _readable_in_place(shared):
         return None
     found = cache.get_path(key, FAST_SUFFIX)
     if found is None or parts.get(FAST_SUFFIX) != cache.stored_checksum(key, FAST_SUFFIX):
         return None
     return OrtExecutor(str(found[0]), input_names, threads=threads,
-                       shared=_bind(names, frozen), prepack=False, arena=False)
+                       shared=shared, prepack=False, arena=False)
+
+
+def _readable_in_place(shared: dict[str, torch.Tensor]) -> bool:
+    """Whether this graph's tensors can be fed where an entry reads weights in place. The key
+    hashes a weight's values, not its strides, so a hit may hold the same values in another
+    layout (a transposed view); onnxruntime reads a fed weight as row-major."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in shared.values())
 
 
 def _missing(strict: bool, why: str) -> None:

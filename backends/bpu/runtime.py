@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import threading
 import warnings
@@ -174,11 +175,12 @@ class TieredExecutor:
         try:
             ex = f.result()
         except Exception as e:  # noqa: BLE001 - the first tier still gives the right answer
-            warnings.warn(
-                f"fxpass_bpu region {self.name} keeps its in-place-weights session (slower "
-                f"above one row): building the prepacked one failed: {type(e).__name__}: {e}",
-                RuntimeWarning, stacklevel=4,
-            )
+            msg = (f"fxpass_bpu region {self.name} keeps its in-place-weights session (slower "
+                   f"above one row): building the prepacked one failed: {type(e).__name__}: {e}")
+            try:
+                warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            except Exception:  # noqa: BLE001 - warnings as errors must not fail a good call
+                logging.getLogger("fxpass").warning(msg)
             return
         if ex is not None:
             self._ex = ex
@@ -258,6 +260,8 @@ def _feed(t: torch.Tensor, ort: Any) -> Any:
     if t.dtype == torch.bfloat16:
         import onnx
 
+        if not t.is_contiguous():  # an OrtValue reads the pointer as row-major
+            raise ValueError("a BF16 weight fed in place must be contiguous")
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
             t.view(torch.int16).numpy(), onnx.TensorProto.BFLOAT16)
     return t.numpy()

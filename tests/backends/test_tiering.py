@@ -34,6 +34,13 @@ def _model(dtype: torch.dtype = torch.float32, hidden: int = 256) -> torch.nn.Mo
     ).eval().to(dtype)
 
 
+@pytest.fixture(autouse=True)
+def _settled():
+    """No test leaves a build running into the next one (digest counters, the pool)."""
+    yield
+    settle()
+
+
 @pytest.fixture
 def small_tier(monkeypatch):
     """Tier this test's small model (the default bound is 16 MiB of weights read in place)."""
@@ -292,3 +299,31 @@ with torch.no_grad():
     meta = _meta(tmp_path)
     assert meta is not None and "fast" in meta, "the entry was stored before the exit"
     assert list(tmp_path.rglob("*.host.bin")) and list(tmp_path.rglob("*.fast.onnx"))
+
+
+@pytest.mark.parametrize(("dtype", "rows"),
+                         [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 1)])
+def test_hit_with_weights_in_another_layout_is_not_read_in_place(
+    dtype, rows, small_tier, tmp_path
+):
+    """The key hashes a weight's values, not its strides: a model holding the same values as
+    transposed views hits the entry. Its weights cannot be fed in place (an OrtValue reads a
+    BF16 pointer as row-major: the review's reproduction gave an error of 1.34), so the hit
+    opens the prepacked model instead, and a one-row (decode) entry, which reads its weights in
+    place in every tier, is a miss; the answer is eager's."""
+    x = torch.randn(rows, 64).to(dtype)
+    _compile(_model(dtype, 512), x, tmp_path)
+    settle()
+    twin = _model(dtype, 512)
+    for p in twin.parameters():
+        if p.dim() == 2:
+            p.data = p.data.t().contiguous().t()  # same values, column-major
+    assert not any(p.is_contiguous() for p in twin.parameters() if p.dim() == 2)
+    _Tiered.made = []
+    c, out = _compile(twin, x, tmp_path)
+    assert fxpass.compile_reports()[-1].regions[0].cached is (rows > 1)
+    assert _Tiered.made == []
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 1.6e-2, "atol": 1e-2}
+    with torch.no_grad():
+        torch.testing.assert_close(out.float(), twin(x).float(), **tol)
