@@ -188,21 +188,16 @@ def _compile_ort(
             def unchanged() -> None:
                 """The first call has returned, so the caller may have written a weight
                 meanwhile (through .data, which no version counter sees): then the files
-                hold values the key does not name. Checked before the entry is published,
-                and again after (a write during the publish)."""
+                hold values the key does not name. Checked before the entry is published."""
                 changed = [c for c, t in buffers.items() if fresh_digest(t) != keyed[c]]
                 if changed:
-                    if cache is not None:
-                        cache.discard(key, ".host.json")
                     raise RuntimeError(
                         f"weight {rg.sources[changed[0]]!r} changed while the prepacked "
                         "session was built; its entry is discarded")
 
             def second() -> Any:
-                built = _build_ort(rg, key, input_names, cache, threads, proto, weights,
-                                   buffers, fusions, (data, fast_meta), unchanged).executor
-                unchanged()
-                return built
+                return _build_ort(rg, key, input_names, cache, threads, proto, weights,
+                                  buffers, fusions, (data, fast_meta), unchanged).executor
 
             size = len(data) + sum(t.numel() * t.element_size() for t in shared.values())
             return Compiled(TieredExecutor(fast, second, name), key, False, size, fusions)

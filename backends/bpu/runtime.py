@@ -115,15 +115,16 @@ class TieredExecutor:
 
     Why: onnxruntime prepacks every GEMM weight when a session opens (a copy in its kernels'
     layout; 0.3 s for the 283 MB of a Qwen3 4 x 1024 prefill region, warm or cold), and the
-    prepacked GEMMs are what make a region with more than one row fast (1.5-1.7x at 8 and 32
-    rows, ~1.05x at 128: ``python -m benchmarks.tiering``). A session that reads the weights in
+    prepacked GEMMs are what make a region with more than one row fast (1.78x at 8 rows, 1.41x
+    at 32, 1.10x at 128: ``python -m benchmarks.tiering``). A session that reads the weights in
     place (``host.shared_weights``, prepacking off) opens at once and gives the same answers,
     so the caller waits for neither the prepacking nor the cache write; the first calls run a
     little slower, then the prepacked session takes over (JIT-style tiering).
 
     The build starts when the first call has returned (that call gets the cores, and its
-    buffers are freed before the prepacking allocates: the compile's peak memory stays that of
-    the untiered path), on one shared worker thread (one build at a time: a 2-core host also
+    buffers are freed before the prepacking allocates; the compile's peak is still 0.06x the
+    weights above the untiered path's at 128 tokens, ``benchmarks.compile_memory --untiered``),
+    on one shared worker thread (one build at a time: a 2-core host also
     runs the model), which the interpreter joins at exit, so a short-lived process still
     stores its cache entry. If the build fails, the first tier keeps running (same results,
     slower) and a ``RuntimeWarning`` says why."""
@@ -189,8 +190,9 @@ class TieredExecutor:
 def _trimmed(build: Callable[[], Any]) -> Any:
     """``build()`` after handing the heap's free memory back to the OS. Why: the build runs on
     another thread, so glibc gives its allocations another malloc arena, and what the first
-    call freed in the caller's arena would stay resident beside them (measured: the compile's
-    peak grew by 0.1-0.25x the weights)."""
+    call freed in the caller's arena would stay resident beside them (scratch runs of
+    ``benchmarks.compile_memory --tokens 128``: peak 1.35x -> 1.32x the weights in fp32,
+    3.14x -> 2.76x in bf16)."""
     _malloc_trim()
     return build()
 
