@@ -79,11 +79,17 @@ def propagate_meta(gm: GraphModule, *example_inputs: torch.Tensor) -> GraphModul
 
 
 def is_static(v: Any) -> bool:
-    """True when a fake tensor (or a tuple of them) has only concrete sizes."""
+    """True when a fake tensor (or a tuple of them) has only concrete sizes and strides.
+
+    Strides count too: a view of a symbolically sized buffer has fixed sizes but symbolic
+    strides (seen on a graph Dynamo made dynamic after recompiles), and rules that compare or
+    key on layouts cannot use them."""
     if isinstance(v, (tuple, list)):
         return all(is_static(x) for x in v)
     if isinstance(v, torch.Tensor):
-        return all(isinstance(s, int) for s in v.shape)
+        if not all(isinstance(s, int) for s in v.shape):
+            return False
+        return v.layout is not torch.strided or all(isinstance(s, int) for s in v.stride())
     return not isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool)
 
 

@@ -183,10 +183,11 @@ class Rewriter:
         return constant_value(node)
 
     def static(self, *nodes: Any) -> bool:
-        """True if all nodes have fully static shapes; otherwise records a skip reason."""
+        """True if all nodes have fully static shapes and strides; otherwise records a skip
+        reason."""
         for n in nodes:
             if isinstance(n, Node) and not is_static(n.meta.get("val")):
-                self.skip(f"symbolic shape on {n.name}; rule needs static shapes")
+                self.skip(f"symbolic shape or stride on {n.name}; rule needs static shapes")
                 return False
         return True
 

@@ -47,16 +47,21 @@ log = logging.getLogger("fxpass.bpu")
 #: region well above that. Host: ``python -m benchmarks.ort_overhead`` measured 4.4 us per
 #: onnxruntime call and 113 GMAC/s on this 2-core machine: break-even ~0.5M MACs.
 DEFAULT_MIN_MACS = {"hbdnn": 100_000_000, "onnxruntime": 500_000}
+#: Rebuilds after the weights of one instance changed (written in place, or a few replaced);
+#: past this the graph runs eagerly.
 MAX_REBUILDS = 2
-#: Compiled variants a graph keeps, one per set of weights (most recently used first): two
-#: instances of one model class share Dynamo's graph (parameters are graph inputs), and
-#: alternating between them must not rebuild on every call.
-MAX_VARIANTS = 4
+#: Compiled variants a graph keeps by default, one per set of weights (least recently used
+#: evicted; option ``max_variants``). Instances of one module class share Dynamo's graph
+#: (parameters are graph inputs): two copies of a model alternating, or every layer of a
+#: model whose layers have a graph break inside (Dynamo then compiles one graph for the
+#: piece, and each layer calls it with its own weights). Each set is compiled once.
+MAX_VARIANTS = 64
 #: fxpass.compile_reports() keeps the most recent reports only (each holds a rewrite ledger).
 MAX_REPORTS = 256
 _WARNED: set[str] = set()
 #: What the backend did in this process: "rules" (pass-manager runs), "partition", "plan_hit",
-#: "plan_miss", "plan_stored", "parallel_compiles". Tests assert on it (never on timings).
+#: "plan_miss", "plan_stored", "parallel_compiles", "variants" (a graph compiled again for
+#: another instance's weights). Tests assert on it (never on timings).
 STATS: Counter[str] = Counter()
 
 
@@ -90,6 +95,12 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "True (w8a16) or {'config', 'method', 'percentile'}; calibrate with "
         "fxpass.backends.bpu.calibrate(fn, batches) (default None on the host; the board "
         "always quantizes)",
+    ),
+    "max_variants": (
+        int,
+        f"sets of weights one graph is compiled for and keeps (default {MAX_VARIANTS}): "
+        "a graph shared by more instances of a module (a graph break inside each of more "
+        "layers) runs eagerly",
     ),
     "freeze_weights": (
         bool,
@@ -135,6 +146,10 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
         )
     if opts.get("min_compute_macs") is not None and opts["min_compute_macs"] < 0:
         raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
+    if opts.setdefault("max_variants", MAX_VARIANTS) < 1:
+        raise TypeError(
+            f"fxpass_bpu option 'max_variants' must be >= 1, got {opts['max_variants']}"
+        )
     opts.setdefault("strict", False)
     opts.setdefault("cache", True)
     if opts["cache"]:  # a bad cache_dir or FXPASS_CACHE_MAX_BYTES fails here, not per graph
@@ -226,6 +241,7 @@ class GuardedGraph:
         self.pristine = _clone(aot_gm)
         self.opts = opts
         self.rebuilds = 0
+        self.evictions = 0
         self.eager_only = False
         #: weights signature -> (guard, compiled, report, the weights): holding the weights
         #: keeps their memory from being reused by other tensors under the same signature
@@ -267,7 +283,7 @@ class GuardedGraph:
         self.report = report
         held = [p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder") if FROZEN in p.meta]
         self.variants[tuple(self.guard)] = (self.guard, compiled, report, held)
-        while len(self.variants) > MAX_VARIANTS:
+        while len(self.variants) > self.opts.get("max_variants", MAX_VARIANTS):
             del self.variants[next(iter(self.variants))]  # least recently used
         return compiled
 
@@ -315,34 +331,76 @@ class GuardedGraph:
             self.variants[sig] = hit
             self.guard, self.run, self.report, _ = hit
             return self.run(*args)
+        if self._another_instance(sig):
+            return self._new_variant(args)
         phs = self.pristine.graph.find_nodes(op="placeholder")
-        if self.rebuilds >= MAX_REBUILDS or self.opts["strict"]:
-            if self.opts["strict"]:
-                raise RuntimeError(
-                    f"fxpass_bpu: weight input {k} changed after compile (strict=True)"
-                )
-            warnings.warn(
-                "fxpass_bpu: weights keep changing; this graph now runs eagerly", stacklevel=3
-            )
-            self.eager_only = True
-            self.variants.clear()  # never used again: release their sessions and weights
-            return self.pristine(*args)
+        if self.opts["strict"]:
+            raise RuntimeError(f"fxpass_bpu: weight input {k} changed after compile (strict=True)")
+        if self.rebuilds >= MAX_REBUILDS:
+            return self._give_up("weights keep changing; this graph now runs eagerly", args)
         self.rebuilds += 1
         warnings.warn(
             f"fxpass_bpu: weight {phs[k].name} changed after compile; recompiling "
             f"({self.rebuilds}/{MAX_REBUILDS})",
             stacklevel=3,
         )
-        for p, t in zip(phs, args, strict=True):
-            if FROZEN in p.meta:
-                p.meta[FROZEN] = t.detach()
         # variants of these same tensors at older versions can never match again: drop them
         # (and the session memory they hold) before building the new one
         ptrs = [(i, ptr) for i, ptr, *_ in sig]
         for old in [v for v in self.variants if [(i, ptr) for i, ptr, *_ in v] == ptrs]:
             del self.variants[old]
+        return self._rebuild(args)
+
+    def _another_instance(self, sig: tuple) -> bool:
+        """Whether ``sig`` is another instance's weights rather than these weights changed.
+
+        Most of its weights are tensors no variant holds at that input (another layer or a
+        second copy of the model calling the same graph), and none of those it shares was
+        written since (a write in place is a change, whatever else differs). A few replaced
+        tensors among the same ones (``m.w = Parameter(...)``) are a change."""
+        known: dict[tuple[int, int], set] = {}
+        for v in self.variants:
+            for i, ptr, ver, *_ in v:
+                known.setdefault((i, ptr), set()).add(ver)
+        shared = [(i, ptr, ver) for i, ptr, ver, *_ in sig if (i, ptr) in known]
+        if any(ver not in known[(i, ptr)] for i, ptr, ver in shared):
+            return False
+        return 2 * len(shared) < len(sig)
+
+    def _new_variant(self, args: tuple) -> Any:
+        """Compile this graph for another instance's weights (a variant), keeping the others;
+        past ``max_variants`` the least recently used one is evicted, and a graph that keeps
+        evicting (more instances than variants, called in turn) runs eagerly."""
+        cap = self.opts.get("max_variants", MAX_VARIANTS)
+        if len(self.variants) >= cap:
+            self.evictions += 1
+            if self.evictions > MAX_REBUILDS:
+                return self._give_up(
+                    f"more than {cap} sets of weights call this graph in turn (a graph break "
+                    "inside a layer repeated more times, or weights replaced on every call); "
+                    "it now runs eagerly. Remove the graph break (torch.compile(..., "
+                    "fullgraph=True) shows where) or raise options={'max_variants': N}",
+                    args,
+                )
+        log.info("fxpass_bpu: compiling variant %d of a graph for another set of weights",
+                 len(self.variants) + 1)
+        STATS["variants"] += 1
+        return self._rebuild(args)
+
+    def _rebuild(self, args: tuple) -> Any:
+        for p, t in zip(self.pristine.graph.find_nodes(op="placeholder"), args, strict=True):
+            if FROZEN in p.meta:
+                p.meta[FROZEN] = t.detach()
         self.run = self._build(_clone(self.pristine))
         return self.run(*args)
+
+    def _give_up(self, why: str, args: tuple) -> Any:
+        if self.opts["strict"]:
+            raise RuntimeError(f"fxpass_bpu: {why} (strict=True raises instead)")
+        warnings.warn(f"fxpass_bpu: {why}", stacklevel=4)
+        self.eager_only = True
+        self.variants.clear()  # never used again: release their sessions and weights
+        return self.pristine(*args)
 
 
 def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, GraphReport]:

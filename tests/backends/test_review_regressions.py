@@ -65,3 +65,27 @@ def test_threads_option_reaches_onnxruntime(opts, monkeypatch):
         )
     assert seen == [1]
     assert compile_region is real
+
+
+def test_static_sizes_over_symbolic_strides_are_not_static(opts):
+    """Found probing graph breaks inside decoder layers: a graph Dynamo made dynamic after
+    recompiles held a view with fixed sizes over a symbolically sized buffer (its strides
+    symbolic). ``is_static`` looked at sizes only, so sdpa_decomposition took it and raised
+    ("unhashable type: non-nested SymInt"): the whole graph fell back to eager, or strict=True
+    failed. Such nodes are symbolic now: the rule skips them with a reason."""
+    import torch.nn.functional as F
+
+    import fxpass
+
+    def f(x):
+        q = x[..., :8]  # sizes (1, 2, 4, 8), strides depend on x's last size
+        return F.scaled_dot_product_attention(q, q, q) * 2
+
+    x = torch.randn(1, 2, 4, 12)
+    torch._dynamo.mark_dynamic(x, 3)
+    c = torch.compile(f, backend="fxpass_bpu", options={**opts, "strict": True})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the symbolic-shapes note
+        for t in (x, torch.randn(1, 2, 4, 20)):
+            torch.testing.assert_close(c(t), f(t), rtol=1e-5, atol=1e-5)
+    assert "sdpa_decomposition: symbolic shape or stride" in str(fxpass.compile_reports()[-1])

@@ -299,3 +299,19 @@ def test_fingerprint_sees_args_target_and_order():
     add = relu.args[0]
     add.args = (add.args[1], add.args[0])
     assert fingerprint(gm) != fp
+
+
+def test_is_static_needs_concrete_strides_too():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxpass.graph import is_static
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        x = mode.from_tensor(torch.randn(4, 12), symbolic_context=None)
+    sym = mode.shape_env.create_unbacked_symint()
+    with mode:
+        wide = torch.empty_strided((4, 8), (sym, 1))  # fixed sizes, a symbolic stride
+    assert is_static(x) and is_static((x, 3))
+    assert not is_static(wide) and not is_static((x, wide))
