@@ -43,6 +43,7 @@ from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
     cast_weight,
     fuse_for_ort,
+    in_place_initializers,
     in_place_model,
     prepack_helps,
     saves_prepacked,
@@ -240,7 +241,9 @@ def _build_ort(
                 os.unlink(os.path.join(tmp, "weights.bin"))
             early = None
         shared = {} if prepack else shared_weights(proto, weights, buffers)
+        inits = in_place_initializers(proto, weights, buffers) if prepack else {}
         meta = {"fusions": fusions,
+                "inits": {n: rg.sources[n] for n in inits if n in rg.sources},
                 "shared": {n: rg.sources[n] for n in shared if n in rg.sources},
                 "casts": {n: [rg.sources[weights.casts[n][0]], str(weights.casts[n][1])]
                           for n in shared if n not in rg.sources},
@@ -249,13 +252,17 @@ def _build_ort(
         meta["optimized"] = keep_optimized
 
         def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
+            # a model onnxruntime saves optimized keeps its weights in its own file: read
+            # there; the others prepack from the region's tensors (``in_place_initializers``)
             return OrtExecutor(model, input_names, threads=threads,
                                optimized_path=optimized_path, shared=shared, prepack=prepack,
-                               optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None)
+                               optimized_weights=key + WEIGHTS_SUFFIX if optimized_path else None,
+                               initializers=None if optimized_path else inits)
 
         def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
             data = write_weights(proto, weights).SerializeToString()
-            return Compiled(session(data), key, False, len(data), fusions)
+            ex = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=prepack)
+            return Compiled(ex, key, False, len(data), fusions)
 
         if cache is None or tmp is None:
             return in_memory(proto, weights)
@@ -432,6 +439,11 @@ def _cached_ort(
         optimized = meta.get("optimized", True)  # entries before unoptimized ones: all were
         if not isinstance(optimized, bool):
             raise ValueError(f"optimized is not a bool: {optimized!r:.40}")
+        # the prepacked model's weights taken from this graph's tensors (entries before
+        # this: none, all read from the file); another layout reads them from the file too
+        inits = _bind(meta.get("inits", {}), frozen) if not optimized else {}
+        if not _readable_in_place(inits):
+            inits = {}
         parts = meta.get("parts")
         first = _first_tier(cache, key, meta, parts, input_names, threads, frozen) if (
             tiered and external is not None) else None
@@ -455,7 +467,7 @@ def _cached_ort(
                 return _missing(strict, "its parts come from two stores")
         try:
             return OrtExecutor(str(path), input_names, threads=threads, preoptimized=optimized,
-                               shared=shared, prepack=prepack)
+                               shared=shared, prepack=prepack, initializers=inits)
         except Exception as e:  # noqa: BLE001 - any load failure of a cached entry: rebuild
             if strict:
                 raise

@@ -114,8 +114,10 @@ def shared_weights(
 
     Why: writing a weight into the model copies it (into the protobuf, into the cache, then
     into the session). A graph input that is a numpy view of the tensor is read where it
-    lies. (``add_external_initializers`` copies the data in onnxruntime 1.31, and
-    ``add_initializer`` needs a full-size placeholder in the model.) The model's frozen
+    lies. (``add_external_initializers`` copies the data in onnxruntime 1.31;
+    ``add_initializer`` reads in place but its weight stays an initializer, so onnxruntime
+    would prepack a copy: the form for regions that prepack, :func:`in_place_initializers`.)
+    The model's frozen
     weights as they are qualify (``tensors``: a region's buffers that hold a frozen
     placeholder): contiguous CPU tensors of a numpy dtype. So does a plain dtype cast of one
     (``weights.casts``: a BF16 weight read as float32), as a copy made by :func:`cast_weight`:
@@ -140,6 +142,27 @@ def shared_weights(
         g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type,
                                                           list(init.dims)))
     return shared
+
+
+def in_place_initializers(
+    model: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The weights of a model that prepacks which onnxruntime can take from the region's own
+    tensors (``add_initializer``, ``runtime.OrtExecutor``) rather than from its weights file:
+    frozen weights as they are (not casts), contiguous, of a numpy dtype, of the dtype and
+    shape the model declares. Unlike :func:`shared_weights` the model is not changed: they
+    stay initializers, so onnxruntime still prepacks them; they also stay in ``weights``, so
+    the cache entry's file still holds them."""
+    declared = {i.name: i for i in model.graph.initializer}
+    out = {}
+    for name in weights:
+        t, init = tensors.get(name), declared.get(name)
+        if (t is not None and init is not None and t.device.type == "cpu"
+                and t.dtype == torch.float32 and init.data_type == onnx.TensorProto.FLOAT
+                and tuple(t.shape) == tuple(init.dims) and t.is_contiguous()
+                and t.numel() * t.element_size() >= MIN_SHARED_BYTES):
+            out[name] = t.detach()
+    return out
 
 
 #: A region that prepacks opens on a first-tier session that reads its weights in place when
