@@ -382,16 +382,19 @@ class GuardedGraph:
                     "fullgraph=True) shows where) or raise options={'max_variants': N}",
                     args,
                 )
-        log.info("fxpass_bpu: compiling variant %d of a graph for another set of weights",
-                 len(self.variants) + 1)
+        note = (f"variant {len(self.variants) + 1} of graph {self.report.graph}: compiled for "
+                "another instance's weights (instances of one module share Dynamo's graph)")
+        log.info("fxpass_bpu: %s", note)
         STATS["variants"] += 1
-        return self._rebuild(args)
+        return self._rebuild(args, note)
 
-    def _rebuild(self, args: tuple) -> Any:
+    def _rebuild(self, args: tuple, note: str | None = None) -> Any:
         for p, t in zip(self.pristine.graph.find_nodes(op="placeholder"), args, strict=True):
             if FROZEN in p.meta:
                 p.meta[FROZEN] = t.detach()
         self.run = self._build(_clone(self.pristine))
+        if note:
+            self.report.notes.append(note)
         return self.run(*args)
 
     def _give_up(self, why: str, args: tuple) -> Any:

@@ -367,6 +367,8 @@ def test_graph_break_inside_repeated_layers_compiles_each_layers_weights(opts):
     reports = fxpass.compile_reports()[before:]
     assert STATS["variants"] == len(reports) - 2  # two graphs, compiled for 6 weight sets
     assert all(r.regions for r in reports)  # none fell back to eager
+    assert sum("another instance's weights" in " ".join(r.notes) for r in reports) == len(
+        reports) - 2
     compiled = len(reports)
     with torch.no_grad():
         c(x)
