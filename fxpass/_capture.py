@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .graph import FROZEN
+from .graph import FROZEN, FROZEN_BUFFER
 
 
 @dataclass
@@ -43,15 +43,42 @@ def weight_inputs(dynamo_gm: GraphModule, example_inputs: Sequence[Any]) -> list
     return out
 
 
+def mutated_inputs(gm: GraphModule) -> set[str]:
+    """Placeholders the graph writes (the destination of an in-place op such as the
+    ``copy_`` AOTAutograd keeps for an input mutation, directly or through views of it)."""
+    out = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            dst = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+            while (isinstance(dst, torch.fx.Node) and dst.op == "call_function"
+                   and getattr(dst.target, "is_view", False) and dst.args):
+                dst = dst.args[0]  # a write through a view writes its base
+            if isinstance(dst, torch.fx.Node) and dst.op == "placeholder":
+                out.add(dst.name)
+    return out
+
+
 def mark_frozen(gm: GraphModule, real: Sequence[Any], frozen: Sequence[bool]) -> int:
-    """Attach the real weight tensors to the AOT graph's placeholders; returns how many."""
+    """Attach the real weight tensors to the AOT graph's placeholders; returns how many.
+
+    A buffer the graph itself writes (a KV cache or a step counter kept in the module, as in
+    gpt-fast) is state, not a weight: it stays an ordinary input. Frozen, every call would
+    find it changed and recompile."""
     phs = gm.graph.find_nodes(op="placeholder")
     if len(phs) != len(real):
         return 0  # inputs were deduplicated or synthesized: do not guess
+    written = mutated_inputs(gm)
     n = 0
     for ph, t, f in zip(phs, real, frozen, strict=True):
-        if f and isinstance(t, torch.Tensor):
+        if f and isinstance(t, torch.Tensor) and ph.name not in written:
             ph.meta[FROZEN] = t.detach()
+            if not isinstance(t, torch.nn.Parameter):
+                ph.meta[FROZEN_BUFFER] = True
             n += 1
     return n
 

@@ -13,6 +13,9 @@ aten = torch.ops.aten
 
 #: meta key under which a placeholder carries the real tensor it is frozen to (weights, buffers).
 FROZEN = "fxpass_frozen"
+#: placeholder meta: the frozen tensor is a module buffer (state a model may write), not a
+#: parameter
+FROZEN_BUFFER = "fxpass_frozen_buffer"
 
 
 def fake_mode_of(gm: GraphModule) -> Any:

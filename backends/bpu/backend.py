@@ -37,7 +37,7 @@ from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
 from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
-from fxpass.graph import FROZEN, is_static
+from fxpass.graph import FROZEN, FROZEN_BUFFER, is_static
 from fxpass.passmanager import ContractError, FixpointError, PassManager
 from fxpass.plugins import select_rules
 
@@ -61,7 +61,8 @@ MAX_REPORTS = 256
 _WARNED: set[str] = set()
 #: What the backend did in this process: "rules" (pass-manager runs), "partition", "plan_hit",
 #: "plan_miss", "plan_stored", "parallel_compiles", "variants" (a graph compiled again for
-#: another instance's weights). Tests assert on it (never on timings).
+#: another instance's weights), "unfrozen_buffers" (frozen buffers found written). Tests
+#: assert on it (never on timings).
 STATS: Counter[str] = Counter()
 
 
@@ -331,6 +332,9 @@ class GuardedGraph:
             self.variants[sig] = hit
             self.guard, self.run, self.report, _ = hit
             return self.run(*args)
+        written = self._written_buffers(args)
+        if written:
+            return self._unfreeze(written, args)
         if self._another_instance(sig):
             return self._new_variant(args)
         phs = self.pristine.graph.find_nodes(op="placeholder")
@@ -350,6 +354,30 @@ class GuardedGraph:
         for old in [v for v in self.variants if [(i, ptr) for i, ptr, *_ in v] == ptrs]:
             del self.variants[old]
         return self._rebuild(args)
+
+    def _written_buffers(self, args: tuple) -> list[int]:
+        """Frozen buffers (not parameters) written in place since compile: same tensor, newer
+        version. A buffer written between calls (by another graph of the model, or by the
+        user) is state, not a weight (buffers the graph itself writes are never frozen,
+        ``_capture.mark_frozen``)."""
+        phs = self.pristine.graph.find_nodes(op="placeholder")
+        return [i for i, ptr, ver, _, _ in self.guard
+                if phs[i].meta.get(FROZEN_BUFFER) and ver is not None
+                and args[i].data_ptr() == ptr and args[i]._version != ver]
+
+    def _unfreeze(self, written: list[int], args: tuple) -> Any:
+        """Recompile with the written buffers as ordinary inputs, read at every call: once
+        per buffer, without a warning or a count against the rebuild limit (they are state,
+        and now never stale)."""
+        phs = self.pristine.graph.find_nodes(op="placeholder")
+        for i in written:
+            del phs[i].meta[FROZEN], phs[i].meta[FROZEN_BUFFER]
+        self.variants.clear()  # every variant froze them
+        note = (f"buffer(s) {', '.join(phs[i].name for i in written)} written after compile: "
+                "now read at every call, not frozen")
+        log.info("fxpass_bpu: %s", note)
+        STATS["unfrozen_buffers"] += len(written)
+        return self._rebuild(args, note)
 
     def _another_instance(self, sig: tuple) -> bool:
         """Whether ``sig`` is another instance's weights rather than these weights changed.

@@ -400,3 +400,81 @@ def test_max_variants_must_be_positive():
 
     with pytest.raises(TypeError, match="max_variants"):
         validate_options({"max_variants": 0})
+
+
+class _CachedAttention(torch.nn.Module):
+    """gpt-fast style: the KV cache is a pair of module buffers the forward writes in place."""
+
+    def __init__(self, d=64, slots=32):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.register_buffer("k_cache", torch.zeros(1, slots, d))
+        self.register_buffer("v_cache", torch.zeros(1, slots, d))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x, pos):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        self.k_cache.index_copy_(1, pos, k)
+        self.v_cache.index_copy_(1, pos, v)
+        self.steps += 1
+        mask = torch.arange(self.k_cache.shape[1]) <= pos[-1]
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q, self.k_cache, self.v_cache, attn_mask=mask)
+        return self.o(a)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_buffers_the_model_writes_are_state_not_frozen_weights(opts, strict):
+    """Found by a probe: buffers written by the forward itself (a KV cache, a step counter)
+    were frozen like weights, so every call found them changed: two warned rebuilds, then the
+    graph ran eagerly for good (strict=True raised on the second call)."""
+    torch.manual_seed(0)
+    m, ref = _CachedAttention().eval(), _CachedAttention().eval()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options={**opts, "strict": strict})
+    before = len(fxpass.compile_reports())
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(5):
+            x, pos = torch.randn(1, 1, 64), torch.tensor([t])
+            torch.testing.assert_close(c(x, pos), ref(x, pos), rtol=1e-5, atol=1e-5)
+    assert not [str(w.message) for w in caught if "fxpass" in str(w.message)]
+    reports = fxpass.compile_reports()[before:]
+    assert len(reports) == 1 and len(reports[0].regions) >= 1  # compiled once, offloaded
+    for name in ("k_cache", "v_cache", "steps"):
+        torch.testing.assert_close(getattr(m, name), getattr(ref, name))
+
+
+def test_a_frozen_buffer_written_between_calls_becomes_an_input_once(opts):
+    """A buffer frozen at compile (the graph only reads it) that is then written in place
+    (by the user, or by another graph of the model) is read at every call from then on: one
+    recompile, no warning, never a stale answer, and later writes cost nothing."""
+    from fxpass.backends.bpu.backend import STATS
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+            self.register_buffer("scale", torch.ones(16))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    m, x = Scaled().eval(), torch.randn(4, 16)
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    STATS.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        before = len(fxpass.compile_reports())
+        for _ in range(3):
+            m.scale.mul_(2.0)
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    assert not [str(w.message) for w in caught if "fxpass" in str(w.message)]
+    assert STATS["unfrozen_buffers"] == 1
+    assert len(fxpass.compile_reports()) == before + 1  # one recompile for three writes
+    assert "now read at every call" in " ".join(fxpass.compile_reports()[-1].notes)
+    with torch.no_grad():
+        m.lin.weight.mul_(0.5)  # a parameter still is a weight: guarded as before
+        with pytest.warns(UserWarning, match="changed after compile"):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
