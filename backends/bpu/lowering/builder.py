@@ -129,7 +129,8 @@ class _Builder:
         """A small initializer holding a Python scalar/list in ``dtype`` (never a Constant node)."""
         self._temps += 1
         name = f"{self.cur}/c{self._temps}"
-        arr = np.asarray(value).astype(_NP_DTYPE[dtype])
+        with np.errstate(over="ignore"):  # 1e5 as float16 is inf, as it is in aten's cast
+            arr = np.asarray(value).astype(_NP_DTYPE[dtype])
         self.inits[name] = numpy_helper.from_array(arr, name)
         return name
 

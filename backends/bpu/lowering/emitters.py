@@ -62,6 +62,26 @@ def _nan_where(b: _Builder, hits: str, out: str, dt: torch.dtype) -> str:
 
 
 # ---- emitters ------------------------------------------------------------------------------
+def _opmath(dt: torch.dtype, *operands: Any) -> torch.dtype:
+    """The dtype to compute a ``mul``/``div`` in: ``dt``, or float32 where ``dt`` is
+    float16/bfloat16 and a Python scalar operand does not fit it exactly.
+
+    Why: aten's CPU mul and div of a reduced-precision tensor by a scalar compute in float32
+    (the scalar as float32, its opmath type) and round once. A scalar written as a ``dt``
+    constant is rounded first: ``x * 1e5`` in float16 became ``x * inf`` (inf where eager is
+    finite, NaN at 0), and ``x * 0.1`` used 0.09998. Only mul and div: checked against eager,
+    add/sub (scalar or alpha), pow, fmod and remainder round the scalar to ``dt`` first, as
+    the constant does (``x - 1e5`` is NaN at inf in eager too)."""
+    if dt not in (torch.float16, torch.bfloat16):
+        return dt
+    for s in operands:
+        if isinstance(s, bool | int | float) and not math.isnan(s):
+            f32 = torch.tensor(s, dtype=torch.float32)
+            if not torch.equal(f32.to(dt).float(), f32):
+                return torch.float32
+    return dt
+
+
 def _widened(b: _Builder, n: fx.Node, op_type: str, *xs: Any, **attrs: Any) -> str:
     """``op_type`` on operands promoted to the result dtype, via int32 for narrow ints/bool."""
     dt = _dtype(n)
@@ -75,10 +95,11 @@ def _arith(op_type: str) -> Emitter:
         dt, alpha = _dtype(n), a.get("alpha", 1)
         if alpha != 1 and not isinstance(y, fx.Node):
             y, alpha = y * alpha, 1
-        yv = b.t(y, dt)
+        ct = _opmath(dt, x, y) if op_type in ("Mul", "Div") else dt
+        yv = b.t(y, ct)
         if alpha != 1:
-            yv = b.op("Mul", yv, b.const(alpha, dt))
-        return b.op(op_type, b.t(x, dt), yv)
+            yv = b.op("Mul", yv, b.const(alpha, ct))
+        return b.cast(b.op(op_type, b.t(x, ct), yv), ct, dt)
 
     return emit
 
