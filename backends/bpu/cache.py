@@ -116,11 +116,15 @@ def region_key(gm: GraphModule, **context: Any) -> str:
     """Digest of the region graph (structure and arguments), its weights and the context.
 
     For ``executor="onnxruntime"`` the context also covers the host CPU (see
-    :func:`host_cpu_fingerprint`); board artifacts do not depend on the compiling host.
+    :func:`host_cpu_fingerprint`); board artifacts do not depend on the compiling host. It
+    always covers the backend's own source (``digest.source_digest``): the lowering and the
+    host fusions make the artifact, and an editable install changes them without a version.
     """
+    from fxpass.backends.bpu.digest import hasher, source_digest, tensor_digest
+
+    context = {**context, "source": source_digest("fxpass", "fxpass.backends.bpu")}
     if context.get("executor") == "onnxruntime":
         context = {**context, "host_cpu": host_cpu_fingerprint()}
-    from fxpass.backends.bpu.digest import hasher, tensor_digest
 
     h = hasher()  # xxh3-128 if installed, else sha256; weights memoized (digest.py)
     for n in gm.graph.nodes:

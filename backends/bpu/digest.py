@@ -149,11 +149,14 @@ def rule_identity(rule: Any) -> tuple:
 
 @functools.cache
 def source_digest(*packages: str) -> str:
-    """Digest of every ``.py`` file in the given packages' directories (cached per process).
+    """Digest of every ``.py`` file under the given packages' directories, subpackages
+    included (cached per process).
 
-    The lowering, partitioner and pass manager shape a plan as much as the rules do, and an
-    editable install changes them without a version bump. Whole directories, not the loaded
-    modules, so two processes that imported different parts agree.
+    The lowering, partitioner and pass manager shape a plan and a region's artifact as much as
+    the rules do, and an editable install changes them without a version bump. Whole
+    directories, not the loaded modules, so two processes that imported different parts agree.
+    (Subpackages were left out until a probe showed a fix to ``lowering/`` never reaching a
+    warm cache: the old wrong model kept loading.)
     """
     import importlib
     from pathlib import Path
@@ -161,6 +164,8 @@ def source_digest(*packages: str) -> str:
     h = hashlib.sha256()
     for pkg in packages:
         root = Path(importlib.import_module(pkg).__file__).parent
-        for f in sorted(root.glob("*.py")):
-            h.update(f"{pkg}/{f.name}={_file_digest(str(f))};".encode())
+        for f in sorted(root.rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                rel = f.relative_to(root).as_posix()
+                h.update(f"{pkg}/{rel}={_file_digest(str(f))};".encode())
     return h.hexdigest()[:24]

@@ -184,6 +184,28 @@ def test_graph_key_covers_plugin_rule_version_and_source(tmp_path, monkeypatch):
     assert plan_mod.graph_key(c.gm, {**opts, "march": "nash-e"}, rules, "onnxruntime") != k
 
 
+
+def test_source_digest_covers_subpackages_and_keys_every_region(tmp_path, monkeypatch):
+    """Found by a probe: a fix inside ``backends/bpu/lowering/`` (a subpackage) changed no
+    key, so a warm cache kept loading the old, wrong model. The source digest now walks
+    subpackages, and region keys (not only plan keys) include it."""
+    pkg = tmp_path / "probe_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "emit.py").write_text("OP = 'Relu'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = digest_mod.source_digest.__wrapped__("probe_pkg")
+    (pkg / "sub" / "emit.py").write_text("OP = 'Abs'\n")
+    digest_mod._file_digest.cache_clear()  # files are read once per process
+    assert digest_mod.source_digest.__wrapped__("probe_pkg") != before
+
+    g = torch.fx.symbolic_trace(torch.nn.Linear(8, 8))
+    k = region_key(g, march="nash-p", executor="onnxruntime")
+    monkeypatch.setattr(digest_mod, "source_digest", lambda *pkgs: "an edited lowering")
+    assert region_key(g, march="nash-p", executor="onnxruntime") != k
+
+
 def test_region_failing_on_a_plan_hit_rebuilds_its_eager_graph(tmp_path, monkeypatch):
     from fxpass.backends.bpu.runtime import RegionCall
 
