@@ -57,6 +57,7 @@ def partition(
     reasons = {
         n: reject_reason(n) if n.op == "call_function" else "not an op" for n in gm.graph.nodes
     }
+    reasons.update(aliased_output_views(gm))
     sink_cpu_nodes(gm, reasons)
     nodes = list(gm.graph.nodes)
     rejected: dict[Node, str] = {}
@@ -155,6 +156,45 @@ def partition(
     for i, reg in enumerate(regions):
         reg.id = i
     return Partition(regions, rejected, dropped)
+
+
+_ALIASING = (torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default)
+
+
+def _is_view(n: Node) -> bool:
+    t = n.target
+    return n.op == "call_function" and (getattr(t, "is_view", False) or t in _ALIASING)
+
+
+def aliased_output_views(gm: GraphModule) -> dict[Node, str]:
+    """The view nodes that make graph outputs share memory with other outputs, each with the
+    reason it stays on the CPU.
+
+    Eager returns ``y, y.view(2, 16), y[0]`` as three tensors over one storage: a write to one
+    shows in the others. A region returns every output as its own buffer, so these views are
+    made on the CPU from the region's output of their base (zero-copy; found by a probe,
+    where the outputs came back as independent copies). One view of an internal tensor
+    aliases nothing the caller sees and stays in the region."""
+    out = next(iter(gm.graph.find_nodes(op="output")), None)
+    if out is None:
+        return {}
+    chains: dict[Node, list[list[Node]]] = {}  # base -> the view chain of each output of it
+    for o in _flat(out.args):
+        chain = []
+        while _is_view(o) and o.args and isinstance(o.args[0], Node):
+            chain.append(o)
+            o = o.args[0]
+        chains.setdefault(o, []).append(chain)
+    why = ("returned beside another output over the same memory: made on the CPU from the "
+           "region's output, so the outputs alias as in eager")
+    return {v: why for group in chains.values() if len(group) > 1 for chain in group
+            for v in chain}
+
+
+def _flat(args: object) -> list[Node]:
+    nodes: list[Node] = []
+    torch.fx.node.map_arg(args, nodes.append)
+    return nodes
 
 
 _MUTABLE: dict[object, bool] = {}  # OpOverload -> whether its schema writes an argument

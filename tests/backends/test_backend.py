@@ -478,3 +478,33 @@ def test_a_frozen_buffer_written_between_calls_becomes_an_input_once(opts):
         m.lin.weight.mul_(0.5)  # a parameter still is a weight: guarded as before
         with pytest.warns(UserWarning, match="changed after compile"):
             torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_over_one_storage_alias_as_in_eager(opts):
+    """Found by a probe: ``y, y.view(2, 16), y[0]`` came back as three separate buffers, so a
+    write to one output did not show in the others (eager, aot_eager and inductor share)."""
+
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y, y.view(2, 16), y[0], torch.relu(y).t()  # the last: one view, not shared
+
+    m, x = Views().eval(), torch.randn(4, 8)
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    with torch.no_grad():
+        a, b, d, e = c(x)
+        ref = m(x)
+    for got, want in zip((a, b, d, e), ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert d.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    a.mul_(0)
+    assert bool((b == 0).all()) and bool((d == 0).all())
+    report = fxpass.compile_reports()[-1]
+    assert len(report.regions) == 1
+    shared = [k for k, count in report.cpu_reasons.items() if "over the same memory" in k]
+    assert len(shared) == 1 and report.cpu_reasons[shared[0]] == 2  # the view and the select
