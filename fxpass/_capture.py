@@ -43,6 +43,26 @@ def weight_inputs(dynamo_gm: GraphModule, example_inputs: Sequence[Any]) -> list
     return out
 
 
+#: placeholder meta: the model attribute a frozen weight came from (``layers.0.q_proj.weight``)
+SOURCE = "fxpass_source"
+_KEY = re.compile(r"\[['\"]([^'\"]+)['\"]\]|\.([A-Za-z_]\w*)")
+_CONTAINERS = {"_modules", "_parameters", "_buffers", "self", "L"}
+
+
+def source_names(dynamo_gm: GraphModule) -> list[str]:
+    """Each Dynamo graph input's model path (``layers.0.self_attn.q_proj.weight``), from its
+    guard source (``L['self']._modules['layers']...``); "" where it has none. For messages:
+    a warning names the weight the user knows, not ``arg13_1``."""
+    out = []
+    for ph in dynamo_gm.graph.find_nodes(op="placeholder"):
+        ga = ph.meta.get("grapharg")
+        name = ga.source.name if ga is not None and getattr(ga, "source", None) else ""
+        name = name() if callable(name) else str(name)
+        parts = [a or b for a, b in _KEY.findall(name)]
+        out.append(".".join(p for p in parts if p not in _CONTAINERS))
+    return out
+
+
 def mutated_inputs(gm: GraphModule) -> set[str]:
     """Placeholders the graph writes (the destination of an in-place op such as the
     ``copy_`` AOTAutograd keeps for an input mutation, directly or through views of it)."""
@@ -63,7 +83,10 @@ def mutated_inputs(gm: GraphModule) -> set[str]:
     return out
 
 
-def mark_frozen(gm: GraphModule, real: Sequence[Any], frozen: Sequence[bool]) -> int:
+def mark_frozen(
+    gm: GraphModule, real: Sequence[Any], frozen: Sequence[bool],
+    names: Sequence[str] | None = None,
+) -> int:
     """Attach the real weight tensors to the AOT graph's placeholders; returns how many.
 
     A buffer the graph itself writes (a KV cache or a step counter kept in the module, as in
@@ -73,12 +96,15 @@ def mark_frozen(gm: GraphModule, real: Sequence[Any], frozen: Sequence[bool]) ->
     if len(phs) != len(real):
         return 0  # inputs were deduplicated or synthesized: do not guess
     written = mutated_inputs(gm)
+    names = list(names) if names is not None and len(names) == len(phs) else [""] * len(phs)
     n = 0
-    for ph, t, f in zip(phs, real, frozen, strict=True):
+    for ph, t, f, name in zip(phs, real, frozen, names, strict=True):
         if f and isinstance(t, torch.Tensor) and ph.name not in written:
             ph.meta[FROZEN] = t.detach()
             if not isinstance(t, torch.nn.Parameter):
                 ph.meta[FROZEN_BUFFER] = True
+            if name:
+                ph.meta[SOURCE] = name
             n += 1
     return n
 
@@ -94,12 +120,13 @@ def aot_backend(
 
     def backend(gm: GraphModule, example_inputs: list) -> Callable:
         frozen = weight_inputs(gm, example_inputs) if freeze else [False] * len(example_inputs)
+        names = source_names(gm)
 
         def fw_compiler(aot_gm: GraphModule, _aot_inputs: list) -> Callable:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():  # the real weights, not Dynamo's fakes
-                mark_frozen(aot_gm, example_inputs, frozen)
+                mark_frozen(aot_gm, example_inputs, frozen, names)
                 return make_boxed_func(fw(aot_gm, list(example_inputs), frozen))
 
         return aot_autograd(fw_compiler=fw_compiler, keep_inference_input_mutations=True)(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule
 
-from fxpass._capture import aot_backend
+from fxpass._capture import SOURCE, aot_backend
 from fxpass.backends.bpu import plan
 from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
@@ -339,12 +339,14 @@ class GuardedGraph:
             return self._new_variant(args)
         phs = self.pristine.graph.find_nodes(op="placeholder")
         if self.opts["strict"]:
-            raise RuntimeError(f"fxpass_bpu: weight input {k} changed after compile (strict=True)")
+            name = phs[k].meta.get(SOURCE) or f"input {k}"
+            raise RuntimeError(f"fxpass_bpu: weight {name} changed after compile (strict=True)")
         if self.rebuilds >= MAX_REBUILDS:
             return self._give_up("weights keep changing; this graph now runs eagerly", args)
         self.rebuilds += 1
+        name = phs[k].meta.get(SOURCE) or phs[k].name
         warnings.warn(
-            f"fxpass_bpu: weight {phs[k].name} changed after compile; recompiling "
+            f"fxpass_bpu: weight {name} changed after compile; recompiling "
             f"({self.rebuilds}/{MAX_REBUILDS})",
             stacklevel=3,
         )
