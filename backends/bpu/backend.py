@@ -462,6 +462,9 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         target="bpu", enable=opts.get("enable"), disable=opts.get("disable"), only=opts.get("only")
     )
     cache = ArtifactCache(opts.get("cache_dir")) if opts["cache"] else None
+    min_macs = opts.get("min_compute_macs")
+    if min_macs is None:
+        min_macs = DEFAULT_MIN_MACS[kind]
     pkey = plan.key_for(gm, opts, rules, kind, cache)
     if pkey is not None:
         out = plan.apply(
@@ -469,14 +472,11 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         )
         if out is not None:
             STATS["plan_hit"] += 1
-            return _finish(out, report, t0), report
+            return _finish(out, report, t0, min_macs), report
         STATS["plan_miss"] += 1
     STATS["rules"] += 1
     rr = PassManager(rules, check=opts["check"]).run(gm, recompile=False)
     report.rules, report.rewrites = rr, dict(rr.rewrites)
-    min_macs = opts.get("min_compute_macs")
-    if min_macs is None:
-        min_macs = DEFAULT_MIN_MACS[kind]
     STATS["partition"] += 1
     part = partition(gm, Capability(m), min_compute_macs=min_macs)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem]
@@ -522,11 +522,22 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     if pkey is not None and len(entries) == len(part.regions):  # no region fell back
         STATS["plan_stored"] += plan.store(cache, pkey, out, entries, plan.report_fields(report))
     out.recompile()
-    return _finish(out, report, t0), report
+    return _finish(out, report, t0, min_macs), report
 
 
-def _finish(out: GraphModule, report: GraphReport, t0: float) -> GraphModule:
+def _finish(
+    out: GraphModule, report: GraphReport, t0: float, min_macs: int | None = None
+) -> GraphModule:
     report.compile_seconds = time.perf_counter() - t0
+    if (min_macs is not None and report.macs >= max(min_macs, 1)
+            and not report.offloaded_macs and report.cpu_reasons):
+        # worth offloading, yet nothing was: say why once (a float64 model, say), rather than
+        # leave the user to find an all-CPU graph in a report they may never print
+        top = sorted(report.cpu_reasons.items(), key=lambda kv: -kv[1])[:2]
+        why = "; ".join(f"{k} (x{v})" for k, v in top)
+        _warn_once(f"nothing:{top[0][0]}", (
+            f"graph {report.graph} runs entirely on the CPU ({report.macs / 1e6:.1f} MMACs, "
+            f"none offloaded): {why}. fxpass.compile_reports() has the full report"))
     REPORTS.append(report)
     del REPORTS[:-MAX_REPORTS]  # a server compiling many graphs must not grow without bound
     log.info(report.summary())

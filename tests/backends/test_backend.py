@@ -508,3 +508,19 @@ def test_outputs_over_one_storage_alias_as_in_eager(opts):
     assert len(report.regions) == 1
     shared = [k for k, count in report.cpu_reasons.items() if "over the same memory" in k]
     assert len(shared) == 1 and report.cpu_reasons[shared[0]] == 2  # the view and the select
+
+
+def test_a_graph_worth_offloading_that_offloads_nothing_says_why(tmp_path):
+    """Found by a probe: a float64 model compiled to 0 regions without a word (only the report
+    said why). A graph above ``min_compute_macs`` that offloads nothing warns once, naming its
+    most common CPU reason."""
+    from fxpass.backends.bpu import backend as backend_mod
+
+    backend_mod._WARNED.discard(next((k for k in backend_mod._WARNED if "float64" in k), ""))
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 256)).double().eval()
+    x = torch.randn(64, 256, dtype=torch.float64)
+    c = torch.compile(m, backend="fxpass_bpu", options={"cache_dir": str(tmp_path)})
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs entirely on the CPU.*float64"):
+        torch.testing.assert_close(c(x), m(x))
+    assert not fxpass.compile_reports()[-1].regions
