@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -58,6 +59,9 @@ MAX_REBUILDS = 2
 MAX_VARIANTS = 64
 #: fxpass.compile_reports() keeps the most recent reports only (each holds a rewrite ledger).
 MAX_REPORTS = 256
+#: graph numbers in reports and region names (g3_r0): one per compile in this process, never
+#: reused (they were the report count, which stops at MAX_REPORTS)
+_GRAPH_IDS = itertools.count()
 _WARNED: set[str] = set()
 #: What the backend did in this process: "rules" (pass-manager runs), "partition", "plan_hit",
 #: "plan_miss", "plan_stored", "parallel_compiles", "variants" (a graph compiled again for
@@ -302,7 +306,7 @@ class GuardedGraph:
         )
         warnings.warn(msg, RegionFallbackWarning, stacklevel=3)
         report = GraphReport(
-            graph=len(REPORTS),
+            graph=next(_GRAPH_IDS),
             march=str(self.opts.get("march") or DEFAULT_MARCH),
             executor=str(self.opts.get("executor") or "auto"),
         )
@@ -441,7 +445,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     t0 = time.perf_counter()
     m = march(opts["march"])
     kind = resolve_executor(opts["executor"])
-    report = GraphReport(graph=len(REPORTS), march=m.name, executor=kind)
+    report = GraphReport(graph=next(_GRAPH_IDS), march=m.name, executor=kind)
     # a symbolic int input (a cache counter) is host-side index arithmetic; a symbolic tensor
     # shape is what the BPU cannot take
     if not all(

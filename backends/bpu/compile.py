@@ -167,9 +167,8 @@ def _compile_ort(
     file, the prepacked session, the entry) is built in the background. The entry then also
     keeps that first tier's model (``.fast.onnx``, kilobytes), so a hit opens it at once too."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
-    frozen = {rg.sources[c]: t for c, t in buffers.items()}
     if cache is not None:
-        hit = _cached_ort(cache, key, input_names, threads, frozen, tiered)
+        hit = _cached_ort(cache, key, input_names, threads, buffers, tiered)
         if hit is not None:
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
@@ -183,7 +182,7 @@ def _compile_ort(
             data, shared, attrs = first
             fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False,
                                arena=False)
-            fast_meta = {n: rg.sources[attrs[n]] for n in shared}
+            fast_meta = {n: attrs[n] for n in shared}  # input -> region attribute
             keyed = {c: tensor_digest(t) for c, t in buffers.items()}  # memoized by the key
 
             def unchanged() -> None:
@@ -242,10 +241,12 @@ def _build_ort(
             early = None
         shared = {} if prepack else shared_weights(proto, weights, buffers)
         inits = in_place_initializers(proto, weights, buffers) if prepack else {}
-        meta = {"fusions": fusions,
-                "inits": {n: rg.sources[n] for n in inits if n in rg.sources},
-                "shared": {n: rg.sources[n] for n in shared if n in rg.sources},
-                "casts": {n: [rg.sources[weights.casts[n][0]], str(weights.casts[n][1])]
+        # weights are named by region attribute (c0, c1, ...), which the key covers by name
+        # and digest; the graph's placeholder names are not (``_cached_ort``)
+        meta = {"bind": "attr", "fusions": fusions,
+                "inits": {n: n for n in inits if n in rg.sources},
+                "shared": {n: n for n in shared if n in rg.sources},
+                "casts": {n: [weights.casts[n][0], str(weights.casts[n][1])]
                           for n in shared if n not in rg.sources},
                 "prepack": prepack, "weights": WEIGHTS_SUFFIX}
         keep_optimized = prepack and saves_prepacked(proto)
@@ -403,8 +404,12 @@ def _cached_ort(
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager.
 
-    ``frozen`` maps the graph's frozen placeholders to their tensors; the entry names the ones
-    its shared initializers read (the key covers their digests, so they hold the same data).
+    ``frozen`` maps the region's weight attributes (``c0``, ``c1``, ...) to this graph's
+    tensors; the entry names the attribute each weight it reads in place is. The key covers
+    the attributes by name and digest, so they hold the same data. (Entries before 2026-12-02
+    named the graph's placeholders, which the key does not cover: a twin graph whose
+    placeholders come in another order bound the wrong tensor, error 14.9 in review. Those
+    entries are misses now.)
     A tiered entry (``FAST_SUFFIX``) opens its first tier here and verifies and opens the
     prepacked model in the background; if that fails, the entry is discarded (the next process
     compiles it again) and the first tier keeps running."""
@@ -415,6 +420,8 @@ def _cached_ort(
     path, size = hit
     try:
         meta = json.loads(info)
+        if meta.get("bind") != "attr":
+            return None  # an entry that binds by placeholder name: compile it again
         fusions, names, prepack = meta["fusions"], meta["shared"], meta["prepack"]
         if not isinstance(fusions, dict) or not all(
             isinstance(k, str) and isinstance(v, int) for k, v in fusions.items()
@@ -490,8 +497,8 @@ def _cached_ort(
 
 
 def _bind(names: Any, frozen: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An entry's shared inputs (initializer -> frozen placeholder) bound to this graph's
-    tensors; ValueError if malformed or naming a weight the graph does not have."""
+    """An entry's shared inputs (initializer -> region weight attribute) bound to this graph's
+    tensors; ValueError if malformed or naming a weight the region does not have."""
     if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
         raise ValueError(f"shared weights malformed: {names!r:.80}")
     missing = [src for src in names.values() if src not in frozen]

@@ -4,7 +4,12 @@ import torch
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    """A fresh Dynamo, and no compile reports from earlier tests: tests count the reports
+    their compiles add, and the list keeps the last 256 only."""
+    from fxpass.report import COMPILE_REPORTS
+
     torch._dynamo.reset()
+    COMPILE_REPORTS.clear()
     yield
     torch._dynamo.reset()
 
