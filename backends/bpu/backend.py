@@ -245,7 +245,9 @@ class GuardedGraph:
     def __init__(self, aot_gm: GraphModule, opts: dict[str, Any]):
         self.pristine = _clone(aot_gm)
         self.opts = opts
-        self.rebuilds = 0
+        self.rebuilds = 0  # warned rebuilds, all variants (``_rebuilds``: per set of tensors)
+        self._rebuilds: dict[tuple, int] = {}
+        self._buffer_writes: Counter[int] = Counter()
         self.evictions = 0
         self.eager_only = False
         #: weights signature -> (guard, compiled, report, the weights): holding the weights
@@ -330,76 +332,85 @@ class GuardedGraph:
         return self.run(*args)
 
     def _weights_changed(self, k: int, args: tuple) -> Any:
+        """A call whose weights no compiled variant matches. Three cases, by what happened
+        to the tensors the variants hold:
+
+        - none of them was written in place: other tensors (another instance of the module,
+          every layer of a model with a graph break inside its layers, or replaced
+          parameters): a new variant (``_new_variant``), no warning;
+        - buffers were written in place (``load_state_dict``, or state another graph of the
+          model writes): the first time, compiled again with the new values; a buffer
+          written again is state and becomes an ordinary input (``_unfreeze``);
+        - parameters were written in place: compiled again with a warning, at most
+          ``MAX_REBUILDS`` times per set of tensors (each layer of a graph-broken model
+          counts on its own), then the graph runs eagerly."""
         sig = tuple(self._entry(i, args[i]) for i, *_ in self.guard)
         hit = self.variants.pop(sig, None)
         if hit is not None:  # weights compiled for before (another instance of the model)
             self.variants[sig] = hit
             self.guard, self.run, self.report, _ = hit
             return self.run(*args)
-        written = self._written_buffers(args)
-        if written:
-            return self._unfreeze(written, args)
-        if self._another_instance(sig):
+        known: dict[tuple[int, int], set] = {}
+        for v in self.variants:
+            for i, ptr, ver, *_ in v:
+                known.setdefault((i, ptr), set()).add(ver)
+        written = [i for i, ptr, ver, *_ in sig
+                   if (i, ptr) in known and ver is not None and ver not in known[(i, ptr)]]
+        if not written:
             return self._new_variant(args)
         phs = self.pristine.graph.find_nodes(op="placeholder")
+        buffers = [i for i in written if phs[i].meta.get(FROZEN_BUFFER)]
+        for i in buffers:
+            self._buffer_writes[i] += 1
+        state = [i for i in buffers if self._buffer_writes[i] >= 2]
+        if state:
+            return self._unfreeze(state, args)
+        self._drop_stale(sig)
+        if len(buffers) == len(written):  # buffers only, written once: new values, frozen
+            note = (f"buffer(s) {self._names(buffers)} written after compile: compiled again "
+                    "with their new values (written again, they become inputs)")
+            log.info("fxpass_bpu: %s", note)
+            return self._rebuild(args, note)
+        name = self._names([i for i in written if i not in buffers][:1])
         if self.opts["strict"]:
-            name = phs[k].meta.get(SOURCE) or f"input {k}"
             raise RuntimeError(f"fxpass_bpu: weight {name} changed after compile (strict=True)")
-        if self.rebuilds >= MAX_REBUILDS:
+        tensors = tuple((i, ptr) for i, ptr, *_ in sig)
+        n = self._rebuilds.get(tensors, 0)
+        if n >= MAX_REBUILDS:
             return self._give_up("weights keep changing; this graph now runs eagerly", args)
+        self._rebuilds[tensors] = n + 1
         self.rebuilds += 1
-        name = phs[k].meta.get(SOURCE) or phs[k].name
         warnings.warn(
             f"fxpass_bpu: weight {name} changed after compile; recompiling "
-            f"({self.rebuilds}/{MAX_REBUILDS})",
+            f"({n + 1}/{MAX_REBUILDS})",
             stacklevel=3,
         )
-        # variants of these same tensors at older versions can never match again: drop them
-        # (and the session memory they hold) before building the new one
+        return self._rebuild(args)
+
+    def _names(self, idx: list[int]) -> str:
+        phs = self.pristine.graph.find_nodes(op="placeholder")
+        return ", ".join(phs[i].meta.get(SOURCE) or phs[i].name for i in idx)
+
+    def _drop_stale(self, sig: tuple) -> None:
+        """Variants of these same tensors at older versions can never match again: drop them
+        (and the session memory they hold) before building the new one."""
         ptrs = [(i, ptr) for i, ptr, *_ in sig]
         for old in [v for v in self.variants if [(i, ptr) for i, ptr, *_ in v] == ptrs]:
             del self.variants[old]
-        return self._rebuild(args)
-
-    def _written_buffers(self, args: tuple) -> list[int]:
-        """Frozen buffers (not parameters) written in place since compile: same tensor, newer
-        version. A buffer written between calls (by another graph of the model, or by the
-        user) is state, not a weight (buffers the graph itself writes are never frozen,
-        ``_capture.mark_frozen``)."""
-        phs = self.pristine.graph.find_nodes(op="placeholder")
-        return [i for i, ptr, ver, _, _ in self.guard
-                if phs[i].meta.get(FROZEN_BUFFER) and ver is not None
-                and args[i].data_ptr() == ptr and args[i]._version != ver]
 
     def _unfreeze(self, written: list[int], args: tuple) -> Any:
         """Recompile with the written buffers as ordinary inputs, read at every call: once
         per buffer, without a warning or a count against the rebuild limit (they are state,
         and now never stale)."""
         phs = self.pristine.graph.find_nodes(op="placeholder")
+        note = (f"buffer(s) {self._names(written)} written after compile again: now read at "
+                "every call, not frozen")
         for i in written:
             del phs[i].meta[FROZEN], phs[i].meta[FROZEN_BUFFER]
         self.variants.clear()  # every variant froze them
-        note = (f"buffer(s) {', '.join(phs[i].name for i in written)} written after compile: "
-                "now read at every call, not frozen")
         log.info("fxpass_bpu: %s", note)
         STATS["unfrozen_buffers"] += len(written)
         return self._rebuild(args, note)
-
-    def _another_instance(self, sig: tuple) -> bool:
-        """Whether ``sig`` is another instance's weights rather than these weights changed.
-
-        Most of its weights are tensors no variant holds at that input (another layer or a
-        second copy of the model calling the same graph), and none of those it shares was
-        written since (a write in place is a change, whatever else differs). A few replaced
-        tensors among the same ones (``m.w = Parameter(...)``) are a change."""
-        known: dict[tuple[int, int], set] = {}
-        for v in self.variants:
-            for i, ptr, ver, *_ in v:
-                known.setdefault((i, ptr), set()).add(ver)
-        shared = [(i, ptr, ver) for i, ptr, ver, *_ in sig if (i, ptr) in known]
-        if any(ver not in known[(i, ptr)] for i, ptr, ver in shared):
-            return False
-        return 2 * len(shared) < len(sig)
 
     def _new_variant(self, args: tuple) -> Any:
         """Compile this graph for another instance's weights (a variant), keeping the others;
@@ -417,7 +428,8 @@ class GuardedGraph:
                     args,
                 )
         note = (f"variant {len(self.variants) + 1} of graph {self.report.graph}: compiled for "
-                "another instance's weights (instances of one module share Dynamo's graph)")
+                "another instance's weights (instances of one module share Dynamo's graph; "
+                "replaced parameters are another set too)")
         log.info("fxpass_bpu: %s", note)
         STATS["variants"] += 1
         return self._rebuild(args, note)

@@ -447,8 +447,10 @@ def test_buffers_the_model_writes_are_state_not_frozen_weights(opts, strict):
 
 def test_a_frozen_buffer_written_between_calls_becomes_an_input_once(opts):
     """A buffer frozen at compile (the graph only reads it) that is then written in place
-    (by the user, or by another graph of the model) is read at every call from then on: one
-    recompile, no warning, never a stale answer, and later writes cost nothing."""
+    (by the user, or by another graph of the model): the first write recompiles with the new
+    values (a ``load_state_dict`` keeps BatchNorm statistics foldable), a second one makes it
+    an input read at every call; no warning, never a stale answer, and later writes cost
+    nothing."""
     from fxpass.backends.bpu.backend import STATS
 
     class Scaled(torch.nn.Module):
@@ -472,7 +474,7 @@ def test_a_frozen_buffer_written_between_calls_becomes_an_input_once(opts):
             torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
     assert not [str(w.message) for w in caught if "fxpass" in str(w.message)]
     assert STATS["unfrozen_buffers"] == 1
-    assert len(fxpass.compile_reports()) == before + 1  # one recompile for three writes
+    assert len(fxpass.compile_reports()) == before + 2  # two recompiles for three writes
     assert "now read at every call" in " ".join(fxpass.compile_reports()[-1].notes)
     with torch.no_grad():
         m.lin.weight.mul_(0.5)  # a parameter still is a weight: guarded as before
@@ -524,3 +526,49 @@ def test_a_graph_worth_offloading_that_offloads_nothing_says_why(tmp_path):
     with torch.no_grad(), pytest.warns(UserWarning, match="runs entirely on the CPU.*float64"):
         torch.testing.assert_close(c(x), m(x))
     assert not fxpass.compile_reports()[-1].regions
+
+
+
+def test_load_state_dict_on_a_graph_broken_stack_recompiles_each_layer_once(opts):
+    """Found in review: the rebuild limit was per graph, so one ``load_state_dict`` on a
+    model whose layers share a graph (a graph break inside each) sent every layer's graph to
+    eager after the third layer. The limit is per set of tensors now."""
+    m, x = _stack(6), torch.randn(4, 16)
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c(x)
+        m.load_state_dict(_stack(6).state_dict() | {"0.up.bias": torch.ones(32)})
+        for _ in range(2):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    messages = [str(w.message) for w in caught if "fxpass" in str(w.message)]
+    assert messages and all("(1/2)" in msg for msg in messages)
+    assert all(r.regions for r in fxpass.compile_reports())
+
+
+class _SharedNormBlock(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.norm, self.lin = norm, torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(self.norm(x))
+        torch._dynamo.graph_break()
+        return x + torch.relu(h)
+
+
+def test_layers_sharing_a_module_are_instances_not_changes(opts):
+    """Found in review: layers sharing one LayerNorm (ALBERT style) share half of their graph's
+    weights, which the first rule read as one layer's weights changed: two warned rebuilds,
+    then eager. Only a write in place is a change."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(16)
+    m = torch.nn.Sequential(*(_SharedNormBlock(norm) for _ in range(4))).eval()
+    x = torch.randn(4, 16)
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    assert not [str(w.message) for w in caught if "fxpass" in str(w.message)]
+    assert all(r.regions for r in fxpass.compile_reports() if r.macs)  # the halves with GEMMs
