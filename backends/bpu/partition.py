@@ -170,25 +170,43 @@ def aliased_output_views(gm: GraphModule) -> dict[Node, str]:
     """The view nodes that make graph outputs share memory with other outputs, each with the
     reason it stays on the CPU.
 
-    Eager returns ``y, y.view(2, 16), y[0]`` as three tensors over one storage: a write to one
-    shows in the others. A region returns every output as its own buffer, so these views are
-    made on the CPU from the region's output of their base (zero-copy; found by a probe,
-    where the outputs came back as independent copies). One view of an internal tensor
-    aliases nothing the caller sees and stays in the region."""
+    Eager returns ``y, y.view(2, 16), y[0]`` (or the pieces of ``y.chunk(2)``) as tensors
+    over one storage: a write to one shows in the others. A region returns every output as
+    its own buffer, so these views are made on the CPU from the region's output of their base
+    (zero-copy; found by a probe, where the outputs came back as independent copies). A view
+    the graph also uses inside is copied for the output first, so the region keeps its own
+    (pinning it to the CPU split the region at it). One view of an internal tensor aliases
+    nothing the caller sees and stays in the region."""
     out = next(iter(gm.graph.find_nodes(op="output")), None)
     if out is None:
         return {}
-    chains: dict[Node, list[list[Node]]] = {}  # base -> the view chain of each output of it
+    groups: dict[Node, list[list[Node]]] = {}  # base -> the view chain of each output of it
     for o in _flat(out.args):
         chain = []
-        while _is_view(o) and o.args and isinstance(o.args[0], Node):
-            chain.append(o)
+        while isinstance(o, Node) and o.op == "call_function" and o.args and isinstance(
+                o.args[0], Node) and (_is_view(o) or (
+                o.target is operator.getitem and _is_view(o.args[0]))):
+            chain.append(o)  # a view, or a piece of a view op's tuple (split, chunk, unbind)
             o = o.args[0]
-        chains.setdefault(o, []).append(chain)
+        groups.setdefault(o, []).append(chain)
+    shared = [(base, chain) for base, chains in groups.items() if len(chains) > 1
+              for chain in chains if chain]
+    allowed = {n for _, chain in shared for n in chain} | {out}
     why = ("returned beside another output over the same memory: made on the CPU from the "
            "region's output, so the outputs alias as in eager")
-    return {v: why for group in chains.values() if len(group) > 1 for chain in group
-            for v in chain}
+    marked: dict[Node, str] = {}
+    for base, chain in shared:
+        if all(set(n.users) <= allowed for n in chain):
+            marked.update(dict.fromkeys(chain, why))
+            continue
+        with gm.graph.inserting_before(out):  # used inside too: the output gets its own
+            new = base
+            for n in reversed(chain):
+                new = gm.graph.call_function(n.target, (new, *n.args[1:]), dict(n.kwargs))
+                new.meta = dict(n.meta)
+                marked[new] = why
+        out.replace_input_with(chain[0], new)
+    return marked
 
 
 def _flat(args: object) -> list[Node]:

@@ -259,6 +259,9 @@ def region_entry(module: str, rid: int, name: str, c: Any, rg: Any, r: Any) -> d
         "outputs": len(rg.outputs),
         "fusions": c.fusions,
         "offloaded_call_nodes": sum(1 for n in r.nodes if n.target is not operator.getitem),
+        # region weight attribute -> the captured graph's placeholder (the plan key covers
+        # the placeholders, so a hit binds each attribute to this graph's tensor)
+        "sources": dict(rg.sources),
     }
 
 
@@ -282,7 +285,8 @@ def load(
         plan["_consts"] = consts  # decode() loads them with weights_only=True
         loaded = []
         for r in plan["regions"]:
-            c = _cached_ort(cache, r["key"], r["input_names"], threads, frozen, tiered)
+            weights = {c: frozen[p] for c, p in r["sources"].items()}  # plans before: a miss
+            c = _cached_ort(cache, r["key"], r["input_names"], threads, weights, tiered)
             if c is None:
                 return None
             loaded.append((r, c))

@@ -572,3 +572,33 @@ def test_layers_sharing_a_module_are_instances_not_changes(opts):
             torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
     assert not [str(w.message) for w in caught if "fxpass" in str(w.message)]
     assert all(r.regions for r in fxpass.compile_reports() if r.macs)  # the halves with GEMMs
+
+
+def test_aliased_outputs_through_split_and_views_used_inside(opts):
+    """From the review of the aliasing fix: outputs that are pieces of one ``chunk`` still came
+    back as separate buffers (the chain stopped at ``getitem``), and a returned view that the
+    graph also used inside was pinned to the CPU between two GEMMs (two regions for one)."""
+
+    class Pieces(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            y = self.lin(x)
+            a, b = y.chunk(2, dim=-1)
+            v = y.view(-1, 16)
+            return y, a, b, v, self.lin2(v)
+
+    m, x = Pieces().eval(), torch.randn(4, 8)
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    with torch.no_grad():
+        outs, ref = c(x), m(x)
+    for got, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    y, a, b, v, _ = outs
+    for piece in (a, b, v):
+        assert piece.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    y.mul_(0)
+    assert bool((a == 0).all()) and bool((b == 0).all()) and bool((v == 0).all())
+    assert len(fxpass.compile_reports()[-1].regions) == 1
