@@ -29,14 +29,20 @@ class Captured:
 _WEIGHT_SOURCE = re.compile(r"\._(parameters|buffers)\[")
 
 
+def _guard_source(ph: torch.fx.Node) -> str:
+    """A Dynamo graph input's guard source (``L['self']._modules['l']._parameters['weight']``),
+    or "" where it has none."""
+    ga = ph.meta.get("grapharg")
+    name = ga.source.name if ga is not None and getattr(ga, "source", None) else ""
+    return name() if callable(name) else str(name)
+
+
 def weight_inputs(dynamo_gm: GraphModule, example_inputs: Sequence[Any]) -> list[bool]:
     """Which Dynamo graph inputs are parameters/buffers (by their guard source)."""
     out = []
     phs = dynamo_gm.graph.find_nodes(op="placeholder")
     for ph, ex in zip(phs, example_inputs, strict=False):
-        ga = ph.meta.get("grapharg")
-        name = ga.source.name if ga is not None and getattr(ga, "source", None) else ""
-        name = name() if callable(name) else str(name)
+        name = _guard_source(ph)
         # the attribute access of a module's parameter/buffer dict, not a substring of a name:
         # an argument called `frame_buffers` is data, not a weight
         out.append(isinstance(ex, torch.nn.Parameter) or bool(_WEIGHT_SOURCE.search(name)))
@@ -55,10 +61,7 @@ def source_names(dynamo_gm: GraphModule) -> list[str]:
     a warning names the weight the user knows, not ``arg13_1``."""
     out = []
     for ph in dynamo_gm.graph.find_nodes(op="placeholder"):
-        ga = ph.meta.get("grapharg")
-        name = ga.source.name if ga is not None and getattr(ga, "source", None) else ""
-        name = name() if callable(name) else str(name)
-        parts = [a or b for a, b in _KEY.findall(name)]
+        parts = [a or b for a, b in _KEY.findall(_guard_source(ph))]
         out.append(".".join(p for p in parts if p not in _CONTAINERS))
     return out
 

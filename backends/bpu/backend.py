@@ -245,8 +245,7 @@ class GuardedGraph:
     def __init__(self, aot_gm: GraphModule, opts: dict[str, Any]):
         self.pristine = _clone(aot_gm)
         self.opts = opts
-        self.rebuilds = 0  # warned rebuilds, all variants (``_rebuilds``: per set of tensors)
-        self._rebuilds: dict[tuple, int] = {}
+        self._rebuilds: dict[tuple, int] = {}  # warned rebuilds per set of tensors
         self._buffer_writes: Counter[int] = Counter()
         self.evictions = 0
         self.eager_only = False
@@ -290,7 +289,7 @@ class GuardedGraph:
         self.report = report
         held = [p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder") if FROZEN in p.meta]
         self.variants[tuple(self.guard)] = (self.guard, compiled, report, held)
-        while len(self.variants) > self.opts.get("max_variants", MAX_VARIANTS):
+        while len(self.variants) > self.opts["max_variants"]:
             del self.variants[next(iter(self.variants))]  # least recently used
         return compiled
 
@@ -328,10 +327,15 @@ class GuardedGraph:
                 or t.shape != shape
                 or t.dtype != dtype
             ):
-                return self._weights_changed(k, args)
+                return self._weights_changed(args)
         return self.run(*args)
 
-    def _weights_changed(self, k: int, args: tuple) -> Any:
+    @property
+    def rebuilds(self) -> int:
+        """Warned rebuilds of this graph, over every set of tensors."""
+        return sum(self._rebuilds.values())
+
+    def _weights_changed(self, args: tuple) -> Any:
         """A call whose weights no compiled variant matches. Three cases, by what happened
         to the tensors the variants hold:
 
@@ -379,7 +383,6 @@ class GuardedGraph:
         if n >= MAX_REBUILDS:
             return self._give_up("weights keep changing; this graph now runs eagerly", args)
         self._rebuilds[tensors] = n + 1
-        self.rebuilds += 1
         warnings.warn(
             f"fxpass_bpu: weight {name} changed after compile; recompiling "
             f"({n + 1}/{MAX_REBUILDS})",
@@ -416,7 +419,7 @@ class GuardedGraph:
         """Compile this graph for another instance's weights (a variant), keeping the others;
         past ``max_variants`` the least recently used one is evicted, and a graph that keeps
         evicting (more instances than variants, called in turn) runs eagerly."""
-        cap = self.opts.get("max_variants", MAX_VARIANTS)
+        cap = self.opts["max_variants"]
         if len(self.variants) >= cap:
             self.evictions += 1
             if self.evictions > MAX_REBUILDS:
@@ -541,11 +544,9 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     return _finish(out, report, t0, min_macs), report
 
 
-def _finish(
-    out: GraphModule, report: GraphReport, t0: float, min_macs: int | None = None
-) -> GraphModule:
+def _finish(out: GraphModule, report: GraphReport, t0: float, min_macs: int) -> GraphModule:
     report.compile_seconds = time.perf_counter() - t0
-    if (min_macs is not None and report.macs >= max(min_macs, 1)
+    if (report.macs >= max(min_macs, 1)
             and not report.offloaded_macs and report.cpu_reasons):
         # worth offloading, yet nothing was: say why once (a float64 model, say), rather than
         # leave the user to find an all-CPU graph in a report they may never print

@@ -46,6 +46,7 @@ from fxpass.backends.bpu.host import (
     in_place_initializers,
     in_place_model,
     prepack_helps,
+    readable_in_place,
     saves_prepacked,
     shared_weights,
     tier_pays,
@@ -262,8 +263,7 @@ def _build_ort(
 
         def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
             data = write_weights(proto, weights).SerializeToString()
-            ex = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=prepack)
-            return Compiled(ex, key, False, len(data), fusions)
+            return Compiled(session(data), key, False, len(data), fusions)
 
         if cache is None or tmp is None:
             return in_memory(proto, weights)
@@ -399,12 +399,12 @@ def _cached_ort(
     key: str,
     input_names: list[str],
     threads: int | None,
-    frozen: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor],
     tiered: bool = True,
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager.
 
-    ``frozen`` maps the region's weight attributes (``c0``, ``c1``, ...) to this graph's
+    ``weights`` maps the region's weight attributes (``c0``, ``c1``, ...) to this graph's
     tensors; the entry names the attribute each weight it reads in place is. The key covers
     the attributes by name and digest, so they hold the same data. (Entries before 2026-12-02
     named the graph's placeholders, which the key does not cover: a twin graph whose
@@ -427,16 +427,16 @@ def _cached_ort(
             isinstance(k, str) and isinstance(v, int) for k, v in fusions.items()
         ):
             raise ValueError(f"fusions are not a {{name: count}} object: {fusions!r:.80}")
-        shared = _bind(names, frozen)
+        shared = _bind(names, weights)
         if not _readable_in_place(shared):
             return None  # same values in another layout: compile for this one
         casts = meta.get("casts", {})  # entries before cast weights were made here: none
         if not isinstance(casts, dict) or not all(
-            isinstance(v, list) and len(v) == 2 and v[0] in frozen and v[1] in _CAST_DTYPES
+            isinstance(v, list) and len(v) == 2 and v[0] in weights and v[1] in _CAST_DTYPES
             for v in casts.values()
         ):
             raise ValueError(f"cast weights malformed or not of this graph: {casts!r:.80}")
-        shared.update({init: cast_weight(frozen[src], _CAST_DTYPES[dt])
+        shared.update({init: cast_weight(weights[src], _CAST_DTYPES[dt])
                        for init, (src, dt) in casts.items()})
         if not isinstance(prepack, bool):
             raise ValueError(f"prepack is not a bool: {prepack!r:.40}")
@@ -448,11 +448,11 @@ def _cached_ort(
             raise ValueError(f"optimized is not a bool: {optimized!r:.40}")
         # the prepacked model's weights taken from this graph's tensors (entries before
         # this: none, all read from the file); another layout reads them from the file too
-        inits = _bind(meta.get("inits", {}), frozen) if not optimized else {}
+        inits = _bind(meta.get("inits", {}), weights) if not optimized else {}
         if not _readable_in_place(inits):
             inits = {}
         parts = meta.get("parts")
-        first = _first_tier(cache, key, meta, parts, input_names, threads, frozen) if (
+        first = _first_tier(cache, key, meta, parts, input_names, threads, weights) if (
             tiered and external is not None) else None
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         _warn_unloadable(path, e)
@@ -496,20 +496,20 @@ def _cached_ort(
     return None if ex is None else Compiled(ex, key, True, size, fusions)
 
 
-def _bind(names: Any, frozen: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _bind(names: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An entry's shared inputs (initializer -> region weight attribute) bound to this graph's
     tensors; ValueError if malformed or naming a weight the region does not have."""
     if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
         raise ValueError(f"shared weights malformed: {names!r:.80}")
-    missing = [src for src in names.values() if src not in frozen]
+    missing = [src for src in names.values() if src not in weights]
     if missing:  # another graph's weights: not this entry's (the key should not collide)
         raise ValueError(f"the graph has no frozen weight {missing[0]!r}")
-    return {init: frozen[src] for init, src in names.items()}
+    return {init: weights[src] for init, src in names.items()}
 
 
 def _first_tier(
     cache: ArtifactCache, key: str, meta: dict, parts: Any, input_names: list[str],
-    threads: int | None, frozen: dict[str, torch.Tensor],
+    threads: int | None, weights: dict[str, torch.Tensor],
 ) -> OrtExecutor | None:
     """A tiered entry's first-tier session (its model is kilobytes), or None if the entry has
     none, it is not of this store, or this graph's weights cannot be read in place
@@ -517,7 +517,7 @@ def _first_tier(
     names = meta.get("fast")
     if names is None or not isinstance(parts, dict):
         return None
-    shared = _bind(names, frozen)
+    shared = _bind(names, weights)
     if not _readable_in_place(shared):
         return None
     found = cache.get_path(key, FAST_SUFFIX)
@@ -531,7 +531,7 @@ def _readable_in_place(shared: dict[str, torch.Tensor]) -> bool:
     """Whether this graph's tensors can be fed where an entry reads weights in place. The key
     hashes a weight's values, not its strides, so a hit may hold the same values in another
     layout (a transposed view); onnxruntime reads a fed weight as row-major."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in shared.values())
+    return all(readable_in_place(t) for t in shared.values())
 
 
 def _missing(strict: bool, why: str) -> None:

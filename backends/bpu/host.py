@@ -104,6 +104,19 @@ _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch
 _FEEDABLE = {torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float16: onnx.TensorProto.FLOAT16}
 
 
+def readable_in_place(t: torch.Tensor) -> bool:
+    """onnxruntime reads a tensor it is handed (a feed or an ``add_initializer``) as a dense
+    row-major CPU array at its data pointer."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _worth_feeding(t: torch.Tensor) -> bool:
+    """A weight read in place rather than written: readable, of a numpy dtype, and large
+    enough that a copy would cost more than the feed."""
+    return (readable_in_place(t) and t.dtype in _NUMPY_DTYPES
+            and t.numel() * t.element_size() >= MIN_SHARED_BYTES)
+
+
 def shared_weights(
     model: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -131,8 +144,7 @@ def shared_weights(
         if t is None and name in casts and casts[name][0] in tensors:
             src, dtype = casts[name]
             t, made = cast_weight(tensors[src], dtype), True
-        if (t is not None and t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
-                and t.is_contiguous() and t.numel() * t.element_size() >= MIN_SHARED_BYTES):
+        if t is not None and _worth_feeding(t):
             shared[name] = t if made else t.detach()
             del weights[name]
     g = model.graph
@@ -149,18 +161,18 @@ def in_place_initializers(
 ) -> dict[str, torch.Tensor]:
     """The weights of a model that prepacks which onnxruntime can take from the region's own
     tensors (``add_initializer``, ``runtime.OrtExecutor``) rather than from its weights file:
-    frozen weights as they are (not casts), contiguous, of a numpy dtype, of the dtype and
-    shape the model declares. Unlike :func:`shared_weights` the model is not changed: they
-    stay initializers, so onnxruntime still prepacks them; they also stay in ``weights``, so
-    the cache entry's file still holds them."""
+    frozen float32 weights as they are (not casts; onnxruntime prepacks float32 only) that
+    :func:`shared_weights` would feed, of the shape the model declares. Unlike
+    :func:`shared_weights` the model is not changed: they stay initializers, so onnxruntime
+    still prepacks them; they also stay in ``weights``, so the cache entry's file still holds
+    them."""
     declared = {i.name: i for i in model.graph.initializer}
     out = {}
     for name in weights:
         t, init = tensors.get(name), declared.get(name)
-        if (t is not None and init is not None and t.device.type == "cpu"
-                and t.dtype == torch.float32 and init.data_type == onnx.TensorProto.FLOAT
-                and tuple(t.shape) == tuple(init.dims) and t.is_contiguous()
-                and t.numel() * t.element_size() >= MIN_SHARED_BYTES):
+        if (t is not None and init is not None and t.dtype == torch.float32
+                and init.data_type == onnx.TensorProto.FLOAT
+                and tuple(t.shape) == tuple(init.dims) and _worth_feeding(t)):
             out[name] = t.detach()
     return out
 
