@@ -133,6 +133,8 @@ FORWARD: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "MT5": ("MT5Config", "MT5Model",
             dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
             "seq2seq"),
+    "Longformer": ("LongformerConfig", "LongformerModel", dict(_TEXT, attention_window=8),
+                   "text"),
     "Roformer": ("RoFormerConfig", "RoFormerModel", dict(_TEXT, embedding_size=64), "text"),
     "Esm": ("EsmConfig", "EsmModel", dict(_TEXT, vocab_size=33, pad_token_id=1, mask_token_id=2),
             "protein"),

@@ -58,6 +58,7 @@ def partition(
         n: reject_reason(n) if n.op == "call_function" else "not an op" for n in gm.graph.nodes
     }
     reasons.update(aliased_output_views(gm))
+    reasons.update(strided_reads(gm))
     sink_cpu_nodes(gm, reasons)
     nodes = list(gm.graph.nodes)
     rejected: dict[Node, str] = {}
@@ -182,13 +183,8 @@ def aliased_output_views(gm: GraphModule) -> dict[Node, str]:
         return {}
     groups: dict[Node, list[list[Node]]] = {}  # base -> the view chain of each output of it
     for o in _flat(out.args):
-        chain = []
-        while isinstance(o, Node) and o.op == "call_function" and o.args and isinstance(
-                o.args[0], Node) and (_is_view(o) or (
-                o.target is operator.getitem and _is_view(o.args[0]))):
-            chain.append(o)  # a view, or a piece of a view op's tuple (split, chunk, unbind)
-            o = o.args[0]
-        groups.setdefault(o, []).append(chain)
+        base, chain = _view_chain(o)
+        groups.setdefault(base, []).append(chain)
     shared = [(base, chain) for base, chains in groups.items() if len(chains) > 1
               for chain in chains if chain]
     allowed = {n for _, chain in shared for n in chain} | {out}
@@ -199,13 +195,88 @@ def aliased_output_views(gm: GraphModule) -> dict[Node, str]:
         if all(set(n.users) <= allowed for n in chain):
             marked.update(dict.fromkeys(chain, why))
             continue
-        with gm.graph.inserting_before(out):  # used inside too: the output gets its own
-            new = base
-            for n in reversed(chain):
-                new = gm.graph.call_function(n.target, (new, *n.args[1:]), dict(n.kwargs))
-                new.meta = dict(n.meta)
-                marked[new] = why
+        # used inside too: the output gets its own
+        new = _copy_chain(gm, base, chain, out, why, marked)
         out.replace_input_with(chain[0], new)
+    return marked
+
+
+def _view_chain(o: object) -> tuple[object, list[Node]]:
+    """(base, chain): the views that make ``o`` from a tensor that is no view, ``o`` first:
+    views, and pieces of a view op's tuple (split, chunk, unbind)."""
+    chain = []
+    while isinstance(o, Node) and o.op == "call_function" and o.args and isinstance(
+            o.args[0], Node) and (_is_view(o) or (
+            o.target is operator.getitem and _is_view(o.args[0]))):
+        chain.append(o)
+        o = o.args[0]
+    return o, chain
+
+
+def _copy_chain(gm: GraphModule, base: Node, chain: list[Node], before: Node, why: str,
+                marked: dict[Node, str]) -> Node:
+    """A copy of the view ``chain`` (``_view_chain``'s order) over ``base``, inserted before
+    ``before``, its nodes marked for the CPU; returns its last view."""
+    new = base
+    with gm.graph.inserting_before(before):
+        for n in reversed(chain):
+            new = gm.graph.call_function(n.target, (new, *n.args[1:]), dict(n.kwargs))
+            new.meta = dict(n.meta)
+            marked[new] = why
+    return new
+
+
+#: ops that address their input's *storage* (sizes, strides and an offset into it), not its
+#: elements: what they read depends on the input's memory layout, not only on its values
+_ADDRESSING = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
+               torch.ops.aten.as_strided_scatter.default)
+
+
+def restrided(x: torch.Tensor, stride: list[int], offset: int) -> torch.Tensor:
+    """``x`` with its values laid out in memory as eager lays them out (``stride`` and
+    ``offset`` into a storage of its own); ``x`` itself when it already is."""
+    if list(x.stride()) == list(stride) and x.storage_offset() == offset:
+        return x
+    span = 1 + sum((d - 1) * st for d, st in zip(x.shape, stride, strict=True)) if x.numel() else 0
+    out = x.new_empty(offset + span).as_strided(x.shape, stride, offset)
+    return out.copy_(x)
+
+
+def strided_reads(gm: GraphModule) -> dict[Node, str]:
+    """Lay out in eager's memory layout every tensor whose layout decides what an op reads:
+    returns the nodes added, each with the reason it runs on the CPU.
+
+    ``as_strided(y, size, stride, offset)`` addresses ``y``'s storage. A region returns its
+    outputs contiguous, and torch ops on the CPU lay out their results after their inputs, so
+    ``y`` may hold eager's values in another layout; as_strided then reads other elements
+    (found by a probe: Longformer's sliding-chunk attention as_strides a transposed
+    projection, 1.4e-2 off with no warning). So the reader's view chain is rebuilt on the CPU
+    over its base (the tensor that is no view), and the base is first copied into eager's
+    strides and offset (:func:`restrided`, a no-op when it already has them). A graph input
+    has the caller's own layout and needs neither."""
+    marked: dict[Node, str] = {}
+    why = ("read by as_strided, which addresses memory: laid out on the CPU as eager lays "
+           "it out")
+    for a in list(gm.graph.nodes):
+        if a.op != "call_function" or a.target not in _ADDRESSING or not isinstance(
+                a.args[0], Node):
+            continue
+        base, chain = _view_chain(a.args[0])
+        val = base.meta.get("val") if isinstance(base, Node) else None
+        if not isinstance(val, torch.Tensor) or base.op == "placeholder":
+            if chain:  # views of an input: made on the CPU, over the input itself
+                marked.update(dict.fromkeys(chain, why))
+            continue
+        with gm.graph.inserting_before(a):
+            laid = gm.graph.call_function(
+                restrided, (base, list(val.stride()), val.storage_offset()))
+        laid.meta = dict(base.meta)
+        marked[laid] = why
+        new = _copy_chain(gm, laid, chain, a, why, marked)
+        a.replace_input_with(a.args[0], new)
+        for n in chain:  # the originals, where nothing else reads them
+            if not n.users:
+                gm.graph.erase_node(n)
     return marked
 
 

@@ -602,3 +602,53 @@ def test_aliased_outputs_through_split_and_views_used_inside(opts):
     y.mul_(0)
     assert bool((a == 0).all()) and bool((b == 0).all()) and bool((v == 0).all())
     assert len(fxpass.compile_reports()[-1].regions) == 1
+
+
+class _Restrides(torch.nn.Module):
+    """``as_strided`` over tensors whose eager layout is not the one a region returns: a
+    transposed GEMM result (a view), a CPU op's result laid out after its transposed input
+    (``cos`` is no device op), and a view with a storage offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x).t()
+        z = torch.cos(y)  # on the CPU; eager keeps y's transposed layout
+        w = (self.lin(x) * 2).t()[1:]  # offset 1 into its base's storage
+        return (y.as_strided((4, 3), (1, 4)), z.as_strided((3, 5), (2, 3)),
+                w.as_strided((3, 3), (1, 8)), w.as_strided((2, 2), (3, 1), 2))
+
+
+def test_as_strided_reads_eager_layout_over_region_outputs(opts):
+    """Found by a probe: a region returns its outputs contiguous, so an ``as_strided`` on the
+    CPU over a value eager holds transposed read other elements, silently (Longformer's
+    sliding-chunk attention: 1.4e-2 off). The reader's views are rebuilt on the CPU over a
+    copy of their base in eager's strides."""
+    torch.manual_seed(0)
+    m, x = _Restrides().eval(), torch.randn(4, 8)
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    with torch.no_grad():
+        outs, ref = c(x), m(x)
+    for got, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    report = fxpass.compile_reports()[-1]
+    assert report.regions  # the GEMMs still run on the device
+    assert any("addresses memory" in k for k in report.cpu_reasons)
+
+
+def test_restrided_lays_values_out_in_the_given_strides():
+    from fxpass.backends.bpu.partition import restrided
+
+    base = torch.arange(12.0).reshape(3, 4)
+    eager = base.t()  # strides (1, 4)
+    got = restrided(eager.contiguous(), [1, 4], 0)
+    assert got.stride() == (1, 4) and torch.equal(got, eager)
+    assert torch.equal(got.as_strided((4, 3), (3, 1)), eager.as_strided((4, 3), (3, 1)))
+    sliced = base.t()[1:]  # offset 1 into the storage
+    got = restrided(sliced.contiguous(), list(sliced.stride()), 1)
+    assert got.storage_offset() == 1 and torch.equal(got, sliced)
+    same = torch.randn(2, 3)
+    assert restrided(same, [3, 1], 0) is same  # already laid out: no copy
+
