@@ -652,3 +652,20 @@ def test_restrided_lays_values_out_in_the_given_strides():
     same = torch.randn(2, 3)
     assert restrided(same, [3, 1], 0) is same  # already laid out: no copy
 
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
+def test_integer_pow_wraps_as_in_eager(opts, dtype):
+    """Found by a probe: onnxruntime's integer Pow does not wrap on overflow, aten's does
+    (``(-16) ** 9 == 0`` in int32); integer pow stays on the CPU."""
+    w = torch.randn(8, 8)
+
+    def f(x, i):
+        return (x @ w) * (i ** 9).float() + (2 ** i).float() + (i ** i).float()
+
+    x = torch.randn(2, 8)
+    i = (torch.arange(-8, 8).reshape(2, 8) * 2).to(dtype)
+    with torch.no_grad():
+        got = torch.compile(f, backend="fxpass_bpu", dynamic=False, options=opts)(x, i)
+    torch.testing.assert_close(got, f(x, i), rtol=1e-5, atol=1e-5)
+    reasons = fxpass.compile_reports()[-1].cpu_reasons
+    assert any("does not wrap on overflow" in k for k in reasons), reasons

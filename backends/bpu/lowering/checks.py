@@ -55,6 +55,15 @@ def check_rounding(n: fx.Node) -> str | None:
     return None if mode is None else f"rounding_mode={mode!r} has no lowering (true division only)"
 
 
+def check_float_pow(n: fx.Node) -> str | None:
+    """aten's integer pow wraps on overflow (two's complement: ``(-16) ** 9 == 0`` in int32);
+    onnxruntime's integer Pow does not (found by a probe: -3.67e9 for 0)."""
+    dt = _dtype(n)
+    if dt is not None and not dt.is_floating_point:
+        return f"{str(dt).removeprefix('torch.')} pow: onnxruntime's Pow does not wrap on overflow"
+    return None
+
+
 def check_bool_arith(n: fx.Node) -> str | None:
     return "arithmetic on bool tensors has no ONNX kernel" if _dtype(n) == torch.bool else None
 

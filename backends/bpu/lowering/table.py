@@ -56,6 +56,7 @@ _FIRST = frozenset({0})
 _REDUCE = {"reduces": True}
 _POOL = {"check": ck.check_pool, "outputs": _FIRST}
 _BOOL_ARITH = {"check": ck.check_bool_arith}
+_FLOAT_POW = {"check": ck.check_float_pow}
 
 OPS: dict[Any, Op] = {
     **_fam(
@@ -113,7 +114,7 @@ OPS: dict[Any, Op] = {
     **_fam(
         "rmsnorm",
         {
-            aten.pow.Tensor_Scalar: e._pow_scalar,
+            aten.pow.Tensor_Scalar: (e._pow_scalar, _FLOAT_POW),
             aten.rsqrt.default: e._rsqrt,
             aten.sqrt.default: e._unary("Sqrt"),
             aten.neg.default: e._unary("Neg"),
@@ -164,8 +165,8 @@ OPS: dict[Any, Op] = {
             aten.div.Scalar: e._arith("Div"),
             aten.div.Tensor_mode: (e._arith("Div"), {"check": ck.check_rounding}),
             aten.div.Scalar_mode: (e._arith("Div"), {"check": ck.check_rounding}),
-            aten.pow.Tensor_Tensor: e._binary("Pow"),
-            aten.pow.Scalar: e._binary("Pow"),
+            aten.pow.Tensor_Tensor: (e._binary("Pow"), _FLOAT_POW),
+            aten.pow.Scalar: (e._binary("Pow"), _FLOAT_POW),
             aten.minimum.default: e._binary("Min"),
             aten.maximum.default: e._binary("Max"),
             # elementwise
