@@ -113,6 +113,9 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "passes them at every call: slower, but immune to writes via .data",
     ),
 }
+#: how an option's error message names the types it takes
+_TYPE_NAMES = {bool: "a bool", str: "a string", Path: "a path", type(None): "None",
+               int: "an int", list: "a list", tuple: "a list", dict: "a dict"}
 MODES = {
     None: "",
     "default": "",
@@ -130,14 +133,13 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise TypeError(f"fxpass_bpu got unknown option(s) {unknown}. Valid options: {valid}")
     for k, v in opts.items():
         types, desc = OPTIONS[k]
-        if (
-            isinstance(v, bool)
-            and types is not bool
-            and bool not in (types if isinstance(types, tuple) else (types,))
-        ):
-            raise TypeError(f"fxpass_bpu option {k!r} must be {desc}, got {v!r}")
-        if not isinstance(v, types):
-            raise TypeError(f"fxpass_bpu option {k!r} must be {desc}; got {type(v).__name__}")
+        allowed = types if isinstance(types, tuple) else (types,)
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in allowed):
+            names = " or ".join(dict.fromkeys(_TYPE_NAMES.get(t, t.__name__) for t in allowed))
+            hint = (f"; for one rule write [{v!r}]"
+                    if isinstance(v, str) and list in allowed else "")
+            raise TypeError(f"fxpass_bpu option {k!r} ({desc}) must be {names}; got "
+                            f"{type(v).__name__} {v!r}{hint}")
     m = opts.setdefault("march", DEFAULT_MARCH)
     march(m)  # ValueError naming the known marches
     ex = opts.setdefault("executor", "auto")

@@ -161,6 +161,23 @@ def test_training_graph_stays_eager_with_correct_gradients(opts):
         torch.testing.assert_close(p.grad, e)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"strict": "yes"}, r"'strict' \(raise instead of falling back to eager\) must be a bool; "
+                        r"got str 'yes'$"),
+    ({"cache_dir": 3}, r"'cache_dir' .* must be a string or a path or None; got int 3$"),
+    ({"disable": "erf_gelu"}, r"must be a list; got str 'erf_gelu'; for one rule write "
+                              r"\['erf_gelu'\]$"),
+    ({"min_compute_macs": True}, r"must be an int or None; got bool True$"),
+])
+def test_option_type_errors_name_the_type_wanted(options, message):
+    """Found by a probe: the message read "must be raise instead of falling back to eager;
+    got str" (the help text in place of the type)."""
+    from fxpass.backends.bpu.backend import validate_options
+
+    with pytest.raises(TypeError, match=message):
+        validate_options(options)
+
+
 def test_options_are_validated(opts):
     m = SideBranch().eval()
     x = torch.randn(2, 16)
