@@ -98,7 +98,8 @@ def compile_for_generate(
     ``max_cache_len`` fixes the cache buffer (prompt plus new tokens, at most): every
     ``generate()`` call that fits reuses the same decode graph. Returns ``model``.
     """
-    if not isinstance(max_cache_len, int) or max_cache_len <= 0:
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or (
+            max_cache_len <= 0):
         raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
     cfg = getattr(model, "generation_config", None)
     if cfg is None:
@@ -106,25 +107,36 @@ def compile_for_generate(
             f"{type(model).__name__} has no generation_config: compile_for_generate is for "
             "transformers models with generate(); compile other models with torch.compile"
         )
+    from fxpass.backends.bpu.backend import validate_options
+
+    validate_options(options)  # here, not wrapped in Dynamo's error at the first generate()
     cfg.cache_implementation = "static"
     cfg.max_cache_len = max_cache_len
-    compiled = torch.compile(
-        model.forward, backend="fxpass_bpu", dynamic=False, options=options or {}
-    )
-    model.forward = _step_counters_symbolic(compiled)
+    # called again (another max_cache_len or options): compile the model's own forward
+    # again, not the compiled one (a compile inside a compile; torch also refused it)
+    forward = getattr(model.forward, UNCOMPILED, None) or model.forward
+    forward = getattr(forward, "_torchdynamo_orig_callable", forward)  # torch.compile'd by hand
+    compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False, options=options or {})
+    model.forward = _step_counters_symbolic(compiled, forward)
     return model
 
 
-def _step_counters_symbolic(compiled: Callable) -> Callable:
-    """``compiled`` with HF's per-token cache counters traced as symbolic ints.
+#: the attribute of a ``compile_for_generate`` forward that holds the model's own forward
+UNCOMPILED = "_fxpass_uncompiled"
+
+
+def _step_counters_symbolic(compiled: Callable, original: Callable) -> Callable:
+    """``compiled`` (of ``original``) with HF's per-token cache counters traced as symbolic
+    ints.
 
     The config is read only while Dynamo traces, but any call may trace, so it is set around
     every call (two attribute writes) rather than for the whole process: other compiles keep
-    their own setting.
+    their own setting. Named and documented as ``original``; not ``functools.wraps(compiled)``,
+    which copied torch.compile's own attributes onto it, so compiling it again failed.
     """
     config = torch.compiler.config
 
-    @functools.wraps(compiled)
+    @functools.wraps(original, updated=())
     def forward(*args: Any, **kwargs: Any) -> Any:
         old = config.dynamic_sources
         config.dynamic_sources = f"{old},{STEP_COUNTERS}" if old else STEP_COUNTERS
@@ -133,6 +145,9 @@ def _step_counters_symbolic(compiled: Callable) -> Callable:
         finally:
             config.dynamic_sources = old
 
+    # (``__wrapped__`` is ``original``: HF reads the forward's signature through it to decide
+    # which arguments generate() passes, logits_to_keep among them)
+    setattr(forward, UNCOMPILED, original)
     return forward
 
 
@@ -143,6 +158,34 @@ _INT_GUARD = re.compile(
 )
 
 
+#: "0/2: tensor 'input_ids' size mismatch at index 1. expected 8, actual 9"
+_SIZE_GUARD = re.compile(
+    r"^\s*-?\s*(?P<frame>\d+)/\d+:\s*tensor '(?P<src>[^']+)' size mismatch at index "
+    r"(?P<dim>\d+)\. expected (?P<old>\d+), actual (?P<new>\d+)", re.M
+)
+
+
+def _recompile_reason() -> str | None:
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception:  # noqa: BLE001 - a private API; unknown is the safe answer
+        return None
+    return reason if isinstance(reason, str) else None
+
+
+def grown_input() -> tuple[str, str, int, int] | None:
+    """(frame id, source, dim, new size) of an input that made Dynamo recompile the frame
+    being compiled now by growing one element along a dim, else None: a sequence fed whole
+    every call (a model ``generate()`` runs without any KV cache)."""
+    reason = _recompile_reason()
+    m = _SIZE_GUARD.search(reason) if reason else None
+    if not m or int(m.group("new")) != int(m.group("old")) + 1:
+        return None
+    return m.group("frame"), m.group("src"), int(m.group("dim")), int(m.group("new"))
+
+
 def recompiled_int() -> tuple[str, str] | None:
     """(frame id, source) of a Python int whose new value made Dynamo recompile the frame
     being compiled now (``0/1: c.n == 3`` in the guard failure), else None.
@@ -150,13 +193,8 @@ def recompiled_int() -> tuple[str, str] | None:
     Reads Dynamo's metrics context (private, so any failure means "unknown"): a backend has
     no public view of why it is being called again.
     """
-    try:
-        from torch._dynamo.utils import get_metrics_context
-
-        reason = get_metrics_context()._metrics.get("recompile_reason")
-    except Exception:  # noqa: BLE001 - a private API; unknown is the safe answer
-        return None
-    m = _INT_GUARD.search(reason) if isinstance(reason, str) else None
+    reason = _recompile_reason()
+    m = _INT_GUARD.search(reason) if reason else None
     return (m.group("frame"), m.group("src")) if m else None
 
 
@@ -166,6 +204,9 @@ def warn_if_recompiling() -> str | None:
     One recompile on an int is normal (prefill, then decode); a second on the same source is
     a value that changes per call.
     """
+    grown = grown_input()
+    if grown is not None:
+        return _warn_growing_input(*grown)
     found = recompiled_int()
     if found is None:
         return None
@@ -188,4 +229,25 @@ def warn_if_recompiling() -> str | None:
     )
     if _recompiles[found] == 2:
         warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=3)
+    return note
+
+
+def _warn_growing_input(frame: str, src: str, dim: int, size: int) -> str | None:
+    """The second time an input of one frame has grown by one element along a dim: warn once
+    per input. (One new length is an ordinary recompile, a new prompt length say.)"""
+    key = (frame, f"{src}[{dim}]")
+    _recompiles[key] = _recompiles.get(key, 0) + 1
+    if _recompiles[key] < 2:
+        return None
+    note = (
+        f"Dynamo recompiled because {src} grew by one along dim {dim} (now {size}): an input "
+        "that grows every call, such as a sequence fed whole at every token by a model that "
+        "keeps no KV cache (transformers ignores cache_implementation for models without "
+        "cache support). Each length is a new graph, and after "
+        "torch._dynamo.config.recompile_limit the rest runs eagerly. Fix: feed it at a fixed "
+        "length (padded), use a model with a static KV cache for generate(), or leave this "
+        "model uncompiled"
+    )
+    if _recompiles[key] == 2:
+        warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=4)
     return note

@@ -155,6 +155,11 @@ def test_cache_overflow_raises_like_eager(opts):
 def test_compile_for_generate_rejects_bad_input():
     with pytest.raises(ValueError, match="max_cache_len"):
         compile_for_generate(torch.nn.Linear(2, 2), max_cache_len=0)
+    with pytest.raises(ValueError, match="max_cache_len"):  # a bool is no length
+        compile_for_generate(_model("qwen3")[0], max_cache_len=True)
+    # options are checked here, not at the first generate() inside Dynamo's own error
+    with pytest.raises(TypeError, match="'strict' .* must be a bool"):
+        compile_for_generate(_model("qwen3")[0], max_cache_len=8, options={"strict": "yes"})
     with pytest.raises(TypeError, match="generation_config"):
         compile_for_generate(torch.nn.Linear(2, 2), max_cache_len=8)
 
@@ -292,3 +297,47 @@ def test_bf16_generate_is_one_region_per_graph(opts):
     torch.testing.assert_close(got.scores[0], expected.scores[0], rtol=2e-2, atol=2e-2)
     assert len(reports) == 2, [r.summary() for r in reports]
     assert [len(r.regions) for r in reports] == [1, 1], [str(r) for r in reports]
+
+
+def test_compile_for_generate_again_recompiles_the_models_own_forward(opts):
+    """Found by a probe: a second call (to change max_cache_len) raised torch's "already has a
+    get_compiler_config attribute" from inside the first compile's wrapper."""
+    from fxpass.backends.bpu.generation import UNCOMPILED
+
+    model, ids = _model("qwen3")
+    own = model.forward
+    expected = _generate(model, ids, cache_implementation="static")
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    assert torch.equal(_generate(model, ids), expected)
+    compile_for_generate(model, max_cache_len=16, options=opts)
+    assert getattr(model.forward, UNCOMPILED) == own  # not the first compile's wrapper
+    assert model.generation_config.max_cache_len == 16
+    assert torch.equal(_generate(model, ids), expected)
+
+
+def test_an_input_growing_every_call_warns_once_naming_the_cause(opts):
+    """Found by a probe: MPT under transformers 5 keeps no KV cache, so generate() feeds the
+    whole sequence at every token; each length was a new graph until Dynamo's limit, with no
+    word from fxpass. Lengths that jump (new prompts) are ordinary recompiles."""
+    import fxpass.backends.bpu.generation as gen
+
+    w = torch.randn(16, 16)
+
+    def step(x):
+        return torch.softmax(x @ w, dim=-1).sum(1)
+
+    c = torch.compile(step, backend="fxpass_bpu", dynamic=False, options=opts)
+    gen._recompiles.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (4, 9, 15):  # jumps: no warning
+            x = torch.randn(1, n, 16)
+            torch.testing.assert_close(c(x), step(x))
+        quiet = [str(m.message) for m in caught if issubclass(m.category, gen.RecompileWarning)]
+        for n in (16, 17, 18, 19):  # one longer every call
+            x = torch.randn(1, n, 16)
+            torch.testing.assert_close(c(x), step(x))
+    warned = [str(m.message) for m in caught if issubclass(m.category, gen.RecompileWarning)]
+    assert not quiet
+    assert len(warned) == 1, warned
+    assert "grew by one along dim 1" in warned[0] and "fixed length" in warned[0]
