@@ -8,6 +8,7 @@ Which op uses which emitter is decided in :mod:`.table`, the one table.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -300,7 +301,9 @@ def _gelu(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     float32, and subtract (x - x), which is NaN exactly at +-inf/NaN and +0 elsewhere
     (subtracting +0 keeps a -0 result). Costs two elementwise ops. (Eager itself is not
     consistent: a one-element or strided tensor takes a scalar path with gelu(+inf) = inf;
-    the contiguous default is what a compiled model is compared against.)
+    the contiguous default is what a compiled model is compared against.) Which of the two
+    aten's kernel does at +inf depends on the host's vector ISA for float16 (NaN on AVX2,
+    inf on AVX512), so it is asked (:func:`_gelu_nan_at_inf`); the region key names the host.
     """
     dt = _dtype(n)
     x = b.t(a["self"], dt)
@@ -312,12 +315,24 @@ def _gelu(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
         return b.op("Mul", half_x, b.op("Add", core, b.const(1.0, dt)))
     erf = b.op("Erf", b.op("Mul", x, b.const(1 / math.sqrt(2), dt)))
     erf_1 = b.op("Add", erf, b.const(1.0, dt))
-    nan_at_inf = b.op("Sub", x, x)
     if dt == torch.float32:
-        scaled = b.op("Sub", b.op("Mul", x, erf_1), nan_at_inf)
-        return b.op("Mul", scaled, b.const(0.5, dt))
-    # float16: aten computes in float32, so halve first to keep x * 2 from overflowing
-    return b.op("Sub", b.op("Mul", b.op("Mul", x, b.const(0.5, dt)), erf_1), nan_at_inf)
+        product = b.op("Mul", x, erf_1)
+    else:  # float16: aten computes in float32, so halve first to keep x * 2 from overflowing
+        product = b.op("Mul", b.op("Mul", x, b.const(0.5, dt)), erf_1)
+    if _gelu_nan_at_inf(dt):  # (the formula alone gives NaN at -inf and inf at +inf)
+        product = b.op("Sub", product, b.op("Sub", x, x))
+    return b.op("Mul", product, b.const(0.5, dt)) if dt == torch.float32 else product
+
+
+@functools.cache
+def _gelu_nan_at_inf(dtype: torch.dtype) -> bool:
+    """Whether this host's aten gelu (erf form) gives NaN at +inf for a contiguous tensor of
+    ``dtype``. (Found when the suite moved to an AVX512 host: float16 gave inf there.)"""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        x = torch.full((64,), math.inf, dtype=dtype)
+        return bool(torch.nn.functional.gelu(x).isnan().all())
 
 
 def _hardswish(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
