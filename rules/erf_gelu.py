@@ -7,7 +7,10 @@ Why: models written before ``F.gelu`` existed spell it out (ESM, and many resear
 BPU has ``gelu`` on its activation list but no ``erf``, so the spelled-out form split the
 region at every MLP.
 
-Exact up to rounding: ``gelu`` evaluates the same formula (``x * 0.5 * (1 + erf(x * M_SQRT1_2))``).
+Exact up to rounding for finite ``|x| <= FLT_MAX / 2``: ``gelu`` evaluates the same formula
+(``x * 0.5 * (1 + erf(x * M_SQRT1_2))``). At the edge of float32 aten's gelu kernel (which the
+lowering follows) differs from the spelled-out form: NaN at ``+inf`` (the formula gives inf)
+and inf above ``FLT_MAX / 2``, where it multiplies before halving (``docs/failure-model.md``).
 """
 
 from __future__ import annotations
