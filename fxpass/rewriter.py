@@ -99,6 +99,10 @@ def meta_mismatch(old: Any, new: Any) -> str | None:
     return None
 
 
+def _meta_key(v: Any) -> Any:
+    return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+
+
 class Rewriter:
     """Transactional graph editing with fake-tensor meta propagation."""
 
@@ -274,11 +278,18 @@ class Rewriter:
         fake_args = self._distinct_fakes(node_args)
         cache_key = None
         if key is not None:
-            metas = tuple(
-                (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
-                for v in fake_args
+            # every argument in its place (fn(x, 2.0) is not fn(2.0, x)), a Python value with
+            # its type (2, 2.0 and True are equal as keys, not as operands), and the rule and
+            # function: one plugin's key="decomp" is not another's (found by a probe: abs(x)
+            # came out as -x)
+            fakes = iter(fake_args)
+            placed = tuple(
+                ("node", _meta_key(next(fakes))) if isinstance(a, Node)
+                else ("value", type(a).__name__, a)
+                for a in args
             )
-            cache_key = (key, metas, tuple(a for a in args if not isinstance(a, Node)))
+            code = getattr(fn, "__code__", None) or fn
+            cache_key = (self.rule_name, code, key, placed)
         sub = self._traces.get(cache_key) if cache_key is not None else None
         if sub is None:
 

@@ -315,3 +315,50 @@ def test_is_static_needs_concrete_strides_too():
         wide = torch.empty_strided((4, 8), (sym, 1))  # fixed sizes, a symbolic stride
     assert is_static(x) and is_static((x, 3))
     assert not is_static(wide) and not is_static((x, wide))
+
+
+# -- rw.inline's trace cache: keyed by argument position, value type, rule and function ----
+
+
+def _sub(a, b):
+    return aten.sub.Tensor(a, b) if isinstance(a, torch.Tensor) else aten.rsub.Scalar(b, a)
+
+
+@rule(aten.sub.Tensor, aten.rsub.Scalar)
+def spell_sub(node, rw):
+    """x - c and c - x through one traced function under one key (found by a probe: the
+    second spliced the first's trace, x - 2 for 2 - x)."""
+    if node.meta.get("spelled") or not isinstance(node.args[1], float):
+        return False
+    args = node.args if node.target is aten.sub.Tensor else (node.args[1], node.args[0])
+    out = rw.inline(_sub, *args, key="spell_sub")
+    out.meta["spelled"] = True
+    rw.replace(node, out)
+    return True
+
+
+@rule(aten.neg.default)
+def neg_by_inline(node, rw):
+    rw.replace(node, rw.inline(lambda x: aten.mul.Tensor(x, -1.0), node.args[0], key="k"))
+    return True
+
+
+@rule(aten.abs.default)
+def abs_by_inline(node, rw):
+    spelled = rw.inline(lambda x: aten.maximum.default(x, aten.mul.Tensor(x, -1.0)),
+                        node.args[0], key="k")
+    rw.replace(node, spelled)
+    return True
+
+
+@pytest.mark.parametrize("rules, f", [
+    ([spell_sub], lambda x: (x - 2.0, 2.0 - x)),
+    ([neg_by_inline, abs_by_inline], lambda x: (-x, x.abs())),  # one key, two rules
+])
+def test_inline_trace_cache_never_splices_another_call(rules, f):
+    gm = trace(f, torch.randn(4))
+    x = torch.randn(4)
+    expected = gm(x)
+    PassManager(rules).run(gm)
+    for got, want in zip(gm(x), expected, strict=True):
+        torch.testing.assert_close(got, want)
