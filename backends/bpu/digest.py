@@ -144,7 +144,26 @@ def rule_identity(rule: Any) -> tuple:
         None if roots is None else tuple(sorted(map(str, roots))),
         mod,
         module_digest(mod),
+        _packages_digest(mod),
     )
+
+
+def _packages_digest(mod: str) -> str | None:
+    """The sources of the packages a rule's module sits in: its top-level package and its
+    parent package (for fxpass's own rules the two are separate directories). A rule reads
+    helpers beside it; a probe's plugin fixed a constant in its ``helpers.py`` and the warm
+    plan kept the old rewrite (error 0.555 against 0.0 cold)."""
+    import importlib
+
+    names = dict.fromkeys(p for p in (mod.split(".")[0], mod.rpartition(".")[0]) if p)
+    found = []
+    for name in names:
+        try:
+            if getattr(importlib.import_module(name), "__path__", None) is not None:
+                found.append(name)
+        except Exception:  # noqa: BLE001 - unknown: keyed by the module alone, as before
+            continue
+    return source_digest(*found) if found else None
 
 
 @functools.cache
