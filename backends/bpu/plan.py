@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from fxpass import env
 from fxpass.backends.bpu.cache import host_cpu_fingerprint, tool_versions
 from fxpass.backends.bpu.digest import hasher, rule_identity, source_digest, tensor_digest
 from fxpass.graph import FROZEN
@@ -49,6 +50,8 @@ PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value f
 #: bound refused; reading it back is far cheaper than re-running the rules.
 MAX_CONSTANT_BYTES = 512 * 1024**2
 _NOT_KEYED_OPTIONS = ("cache_dir", "tiered", "max_variants")  # none changes a result
+#: environment variables that change what the rules make of a graph
+_KEYED_ENV = ("FXPASS_REWRITE_LIMIT", "FXPASS_FOLD_MAX_GROWTH", "FXPASS_FOLD_MIN_BYTES")
 
 
 class Unencodable(Exception):
@@ -171,6 +174,10 @@ def graph_key(gm: GraphModule, opts: dict[str, Any], rules: list[Any], executor:
     context = {
         "options": keyed,
         "rules": [rule_identity(r) for r in rules],
+        # what else changes the rules' result: a bisection's limit (a plan made under it is
+        # partial) and constant folding's bounds (found by a probe: FXPASS_REWRITE_LIMIT=0
+        # over a warm cache loaded the unlimited plan)
+        "env": {name: env.get(name) for name in _KEYED_ENV},
         "source": source_digest("fxpass", "fxpass.backends.bpu"),
         "tools": tool_versions(),
         "host_cpu": host_cpu_fingerprint() if executor == "onnxruntime" else None,

@@ -205,6 +205,24 @@ def test_graph_key_covers_plugin_rule_version_and_source(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert plan_mod.graph_key(c.gm, opts, rules[:-1], "onnxruntime") != k  # one rule fewer
     assert plan_mod.graph_key(c.gm, {**opts, "march": "nash-e"}, rules, "onnxruntime") != k
+    # found by a probe: a bisection's FXPASS_REWRITE_LIMIT over a warm cache loaded the
+    # unlimited plan; the folding bounds change the rules' result too
+    for name, value in (("FXPASS_REWRITE_LIMIT", "0"), ("FXPASS_FOLD_MIN_BYTES", "0")):
+        monkeypatch.setenv(name, value)
+        assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k, name
+        monkeypatch.delenv(name)
+    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") == k
+
+
+def test_fxpass_check_reaches_the_backend(monkeypatch):
+    """Found by a probe: the backend passed check=False explicitly, so FXPASS_CHECK=1 did
+    nothing there, and a bad value was not even read."""
+    monkeypatch.setenv("FXPASS_CHECK", "1")
+    assert backend_mod.validate_options({"cache": False})["check"] is True
+    assert backend_mod.validate_options({"cache": False, "check": False})["check"] is False
+    monkeypatch.setenv("FXPASS_CHECK", "maybe")
+    with pytest.raises(ValueError, match="FXPASS_CHECK='maybe' is invalid"):
+        backend_mod.validate_options({"cache": False})
 
 
 
@@ -318,3 +336,34 @@ def test_regions_compile_in_parallel_and_keep_per_region_fallback(tmp_path, monk
     assert err < 1e-4 and [g.fallback is None for g in r.regions] == [False, True]
     with pytest.raises(RuntimeError, match="region .*_r0 failed to compile: hbdk4 says no"):
         _compile(m, cache=False, strict=True)
+
+
+def test_rule_identity_covers_the_helpers_beside_a_rule(tmp_path, monkeypatch):
+    """Found by a probe: a plugin fixed a constant in its ``helpers.py`` and the warm plan
+    kept the old rewrite; a rule's identity named its own module's source only."""
+    import sys
+    import types
+
+    from fxpass.backends.bpu import digest
+
+    pkg = tmp_path / "probeplugin"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers.py").write_text("SCALE = 2.0\n")
+    (pkg / "rule.py").write_text("from probeplugin.helpers import SCALE\ndef fn(): return SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import probeplugin.rule as mod
+
+    rule = types.SimpleNamespace(name="r", plugin="probeplugin", fn=mod.fn)
+
+    def identity():
+        digest.source_digest.cache_clear()
+        digest._file_digest.cache_clear()
+        return digest.rule_identity(rule)
+
+    before = identity()
+    assert identity() == before  # stable
+    (pkg / "helpers.py").write_text("SCALE = 1.0\n")
+    assert identity() != before
+    for name in ("probeplugin.rule", "probeplugin.helpers", "probeplugin"):
+        sys.modules.pop(name, None)

@@ -285,3 +285,40 @@ def test_host_weight_folding_keeps_the_numbers_of_the_qdq_model():
     torch.testing.assert_close(
         torch.from_numpy(run(folded)), torch.from_numpy(run(qdq)), rtol=0, atol=0
     )
+
+
+def test_quantize_refuses_unfrozen_weights():
+    """Found by a probe: with freeze_weights=False the weights were graph inputs, calibrated
+    like activations once; after a weight update the region kept the old ranges (cosine 0.89,
+    no warning). The combination is refused with the fix."""
+    from fxpass.backends.bpu.backend import validate_options
+
+    with pytest.raises(TypeError, match="needs freeze_weights=True"):
+        validate_options({"quantize": "w8a16", "freeze_weights": False})
+    validate_options({"quantize": None, "freeze_weights": False})  # no quantization: fine
+
+
+def test_accuracy_reads_through_infinities():
+    """Found by a probe: an output with a masked -inf reported cosine 1 and error 0 for a
+    region 0.013 off (NaN from inf - inf swallowed by min/max)."""
+    import numpy as np
+
+    ref = np.array([1.0, 2.0, -np.inf, 4.0], dtype=np.float32)
+    got = np.array([1.0, 2.5, -np.inf, 4.0], dtype=np.float32)
+    acc = Q.accuracy([ref], [got])
+    assert acc["max_abs_error"] == pytest.approx(0.5) and acc["cosine"] < 1.0
+    moved = np.array([1.0, 2.0, 3.0, -np.inf], dtype=np.float32)  # inf at another place
+    assert Q.accuracy([ref], [moved])["max_abs_error"] == float("inf")
+    assert Q.accuracy([ref], [ref.copy()]) == {"cosine": 1.0, "max_abs_error": 0.0}
+
+
+def test_calibration_on_constant_data_is_refused(opts):
+    """Found by a probe: all-zero batches calibrated silently (report cosine 1.0), then a
+    normal input came out at cosine 0.62."""
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fn = _compile(m.eval(), opts, quantize="w8a8")
+    with torch.no_grad():
+        with pytest.raises(Q.QuantizationError, match="holds one value in every calibration"):
+            calibrate(fn, [torch.zeros(2, 16), torch.zeros(2, 16)])
+        (info,) = calibrate(fn, [torch.randn(2, 16) for _ in range(3)])  # real data: fine
+    assert info.state == "calibrated"
