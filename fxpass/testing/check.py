@@ -96,6 +96,15 @@ def assert_outputs_close(
             equal_nan=True,
             msg=lambda m, i=i: f"output {i}: {m}",
         )
+        # a zero's sign is a value (1 / -0.0 is -inf): where both are exactly zero it must
+        # agree (found by a probe: x + 0.0 -> x passed, though aten's -0.0 + 0.0 is +0.0)
+        zeros = (e == 0) & (a == 0)
+        flipped = zeros & (torch.signbit(e) != torch.signbit(a))
+        assert not bool(flipped.any()), (
+            f"output {i}: the sign of {int(flipped.sum())} zero(s) changed, first at index "
+            f"{tuple(int(v) for v in flipped.nonzero()[0])}: expected "
+            f"{float(e[flipped][0])!r}, got {float(a[flipped][0])!r}"
+        )
 
 
 def check_meta(gm: GraphModule, inputs: list[torch.Tensor]) -> None:

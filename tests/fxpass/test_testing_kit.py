@@ -102,3 +102,20 @@ def test_traced_graphs_strategy():
     )
     fired = check_rule(sub_to_add_neg, traced_graphs(lambda a, b: a - b, spec), max_examples=5)
     assert fired == 5
+
+
+def test_check_rule_catches_a_flipped_zero_sign():
+    """Found by a probe: x + 0.0 -> x passed, though aten's -0.0 + 0.0 is +0.0 (and
+    1 / -0.0 is -inf): outputs that are both zero must agree in sign."""
+    from fxpass.pattern import P, Var, pattern_rule
+    from fxpass.testing import assert_outputs_close
+
+    @pattern_rule(P(aten.add.Tensor, Var("x"), 0.0))
+    def add_zero(rw, m):
+        return m.x
+
+    with pytest.raises(AssertionError, match="sign of .* zero"):
+        check_rule(add_zero)
+    assert_outputs_close(torch.tensor([0.0, -0.0, 1.0]), torch.tensor([0.0, -0.0, 1.0]))
+    with pytest.raises(AssertionError, match="sign of 1 zero"):
+        assert_outputs_close(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]))
