@@ -16,6 +16,7 @@ import argparse
 import html
 import importlib.util
 import json
+import os
 import sys
 from collections import defaultdict
 from typing import Any
@@ -62,6 +63,8 @@ def load_inputs(spec: str) -> tuple[Any, tuple, dict[str, Any]]:
 
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         path, factory = spec.rsplit(":", 1)
+        if not os.path.isfile(path):
+            raise SystemExit(f"no such file: {path} (the model is path/to/file.py:factory)")
         mod_spec = importlib.util.spec_from_file_location("fxpass_user_model", path)
         if mod_spec is None or mod_spec.loader is None:
             raise SystemExit(f"cannot import {path}")

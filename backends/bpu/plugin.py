@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
 
 from fxpass.plugins import Command, Target
 
@@ -17,10 +19,55 @@ def fxpass_targets() -> list[Target]:
     ]
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        v = int(raw)  # argparse reports a ValueError as "invalid ... value"
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {v}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _hidden(raw: str) -> int:
+    v = int(raw)
+    if v < 64 or v % 64:
+        raise argparse.ArgumentTypeError(
+            f"must be a multiple of 64 (the demo's heads are 64 wide), got {v}")
+    return v
+
+
+def _march(raw: str) -> str:
+    from fxpass.backends.bpu.capability import MARCHES
+
+    if raw not in MARCHES:
+        raise argparse.ArgumentTypeError(f"unknown march {raw!r}; known: {sorted(MARCHES)}")
+    return raw
+
+
+def _quantize(raw: str) -> str:
+    from fxpass.backends.bpu.quantize import QuantizationError, resolve_config
+
+    try:
+        resolve_config(raw)
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return raw
+
+
+def _svg(raw: str) -> str:
+    parent = os.path.dirname(os.path.abspath(raw))
+    if not os.path.isdir(parent):  # checked before the model runs, not after
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
+    return raw
+
+
 def _demo_arguments(d: argparse.ArgumentParser) -> None:
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--hidden", type=int, default=512)
-    d.add_argument("--tokens", type=int, default=32)
+    # (bad sizes failed deep inside transformers; found by a probe)
+    d.add_argument("--layers", type=_at_least(1), default=4)
+    d.add_argument("--hidden", type=_hidden, default=512)
+    d.add_argument("--tokens", type=_at_least(1), default=32)
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     d.add_argument(
         "--generate", action="store_true", help="greedy generate() with a static cache instead"
@@ -29,11 +76,13 @@ def _demo_arguments(d: argparse.ArgumentParser) -> None:
 
 def _explain_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("model", help="built-in name (e.g. qwen3-tiny) or path/to/file.py:factory")
-    e.add_argument("--march", default="nash-p")
+    e.add_argument("--march", type=_march, default="nash-p")
     e.add_argument("--json", action="store_true", help="machine-readable output")
-    e.add_argument("--svg", metavar="FILE", help="draw the graph with regions coloured")
-    e.add_argument("--min-compute-macs", type=int, default=None)
+    e.add_argument("--svg", metavar="FILE", type=_svg,
+                   help="draw the graph with regions coloured")
+    e.add_argument("--min-compute-macs", type=_at_least(0), default=None)
     e.add_argument("--quantize", nargs="?", const="w8a16", default=None, metavar="CONFIG",
+                   type=_quantize,
                    help="also quantize regions (w8a16 by default, or w8a8), calibrate on the "
                    "example input, and show per region where Q/DQ went and what stayed float")
 

@@ -40,3 +40,26 @@ def test_explain_user_factory(capsys, tmp_path):
     assert main(["explain", f"{f}:make"]) == 0
     out = capsys.readouterr().out
     assert "1 region(s)" in out and "region 0:" in out
+
+
+def test_bad_arguments_are_usage_errors_not_tracebacks(capsys, tmp_path):
+    """Found by a probe: each of these printed a traceback (some after the whole run, from
+    deep inside transformers or Dynamo)."""
+    import pytest
+
+    cases = [
+        (["demo", "--tokens", "0"], "--tokens: must be an integer >= 1"),
+        (["demo", "--hidden", "7"], "--hidden: must be a multiple of 64"),
+        (["demo", "--layers", "-1"], "--layers: must be an integer >= 1"),
+        (["explain", "qwen3-tiny", "--march", "nash-x"], "unknown march 'nash-x'"),
+        (["explain", "qwen3-tiny", "--quantize", "w4a4"], "unknown quantize config"),
+        (["explain", "qwen3-tiny", "--svg", str(tmp_path / "no" / "g.svg")], "does not exist"),
+        (["explain", "qwen3-tiny", "--min-compute-macs", "-5"], "must be an integer >= 0"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["explain", str(tmp_path / "missing.py") + ":f"])
