@@ -322,3 +322,16 @@ def test_calibration_on_constant_data_is_refused(opts):
             calibrate(fn, [torch.zeros(2, 16), torch.zeros(2, 16)])
         (info,) = calibrate(fn, [torch.randn(2, 16) for _ in range(3)])  # real data: fine
     assert info.state == "calibrated"
+
+
+def test_float16_regions_say_why_they_stay_float(opts):
+    """Found by a probe: a float16 region's quantization failed with onnxruntime's raw type
+    error. It still runs float (eager's answer), and the warning says why."""
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).half().eval()
+    fn = _compile(m, opts, quantize="w8a16")
+    x = torch.randn(2, 16, dtype=torch.float16)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="float16 region .* quantize the float32 model"):
+            (info,) = calibrate(fn, [x, torch.randn(2, 16, dtype=torch.float16)])
+        torch.testing.assert_close(fn(x), m(x), rtol=1e-3, atol=1e-3)
+    assert info.state.startswith("failed, runs float")
