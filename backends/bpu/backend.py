@@ -41,6 +41,7 @@ from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
 from fxpass.graph import FROZEN, FROZEN_BUFFER, is_static
 from fxpass.passmanager import ContractError, FixpointError, PassManager
 from fxpass.plugins import select_rules
+from fxpass.rewriter import RuleError
 
 log = logging.getLogger("fxpass.bpu")
 
@@ -166,6 +167,9 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     # FXPASS_CHECK=1 asks for the checks as check=True does (read, and validated, here: the
     # backend passed check=False explicitly, so the variable did nothing; found by a probe)
     opts.setdefault("check", env.get("FXPASS_CHECK"))
+    # every FXPASS_* variable, here: a bad one is bad configuration, an error naming it (a bad
+    # FXPASS_REWRITE_LIMIT sent each graph to eager with a "please report it"; found by a probe)
+    env.validate_all()
     opts.setdefault("freeze_weights", True)
     opts.setdefault("host_fusions", True)
     from fxpass.backends.bpu.quantize import QuantizationError, resolve_config
@@ -315,9 +319,18 @@ class GuardedGraph:
         this covers a failure before there are regions (an op the rules or the partitioner
         mishandle). ``strict=True`` raises instead."""
         why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if isinstance(e, RuleError):  # whose rule it is decides who fixes it
+            from fxpass.plugins import load
+
+            r = load().rules.get(e.rule)
+            plugin = getattr(r, "plugin", "?")
+            fix = (f"rule {e.rule!r} is plugin {plugin}'s: report it there, or skip it with "
+                   f"options={{'disable': [{e.rule!r}]}}")
+        else:
+            fix = "please report it"
         msg = (
             f"fxpass_bpu: this graph failed to compile and runs eagerly ({why}); results stay "
-            "correct. Please report it; strict=True raises instead"
+            f"correct. Fix: {fix}; strict=True raises instead"
         )
         warnings.warn(msg, RegionFallbackWarning, stacklevel=3)
         report = GraphReport(

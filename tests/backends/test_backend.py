@@ -686,3 +686,28 @@ def test_integer_pow_wraps_as_in_eager(opts, dtype):
     torch.testing.assert_close(got, f(x, i), rtol=1e-5, atol=1e-5)
     reasons = fxpass.compile_reports()[-1].cpu_reasons
     assert any("does not wrap on overflow" in k for k in reasons), reasons
+
+
+def test_a_raising_rule_is_named_with_its_plugin_and_the_fix(opts, monkeypatch):
+    """Found by a probe: a user's plugin rule that raised sent the graph to eager with
+    "please report it" (to fxpass); the warning names the rule's plugin and how to skip it."""
+    import fxpass.backends.bpu.backend as be
+    from fxpass.rewriter import RuleError
+
+    def broken(self, gm, **kw):
+        raise RuleError("cse", "add_1", ValueError("boom"))
+
+    monkeypatch.setattr(be.PassManager, "run", broken)
+    m, x = SideBranch().eval(), torch.randn(2, 16)
+    with torch.no_grad(), pytest.warns(
+            RegionFallbackWarning, match=r"rule 'cse' is plugin .*options=\{'disable': \['cse'\]\}"):
+        torch.compile(m, backend="fxpass_bpu", options={**opts, "cache": False})(x)
+
+
+def test_a_bad_fxpass_variable_is_an_error_naming_it(monkeypatch):
+    """Found by a probe: FXPASS_REWRITE_LIMIT=abc sent every graph to eager with a warning."""
+    from fxpass.backends.bpu.backend import validate_options
+
+    monkeypatch.setenv("FXPASS_REWRITE_LIMIT", "abc")
+    with pytest.raises(ValueError, match="FXPASS_REWRITE_LIMIT='abc' is invalid"):
+        validate_options({"cache": False})
