@@ -699,8 +699,8 @@ def test_a_raising_rule_is_named_with_its_plugin_and_the_fix(opts, monkeypatch):
 
     monkeypatch.setattr(be.PassManager, "run", broken)
     m, x = SideBranch().eval(), torch.randn(2, 16)
-    with torch.no_grad(), pytest.warns(
-            RegionFallbackWarning, match=r"rule 'cse' is plugin .*options=\{'disable': \['cse'\]\}"):
+    fix = r"rule 'cse' is plugin .*options=\{'disable': \['cse'\]\}"
+    with torch.no_grad(), pytest.warns(RegionFallbackWarning, match=fix):
         torch.compile(m, backend="fxpass_bpu", options={**opts, "cache": False})(x)
 
 
