@@ -159,11 +159,16 @@ def _packages_digest(mod: str) -> str | None:
     found = []
     for name in names:
         try:
-            if getattr(importlib.import_module(name), "__path__", None) is not None:
-                found.append(name)
+            pkg = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - unknown: keyed by the module alone, as before
             continue
-    return source_digest(*found) if found else None
+        # a package with a directory of its own (a namespace package has no __file__)
+        if getattr(pkg, "__path__", None) is not None and getattr(pkg, "__file__", None):
+            found.append(name)
+    try:
+        return source_digest(*found) if found else None
+    except Exception:  # noqa: BLE001 - unreadable: keyed by the module alone, as before
+        return None
 
 
 @functools.cache

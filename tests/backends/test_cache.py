@@ -367,3 +367,25 @@ def test_rule_identity_covers_the_helpers_beside_a_rule(tmp_path, monkeypatch):
     assert identity() != before
     for name in ("probeplugin.rule", "probeplugin.helpers", "probeplugin"):
         sys.modules.pop(name, None)
+
+
+def test_rule_identity_of_a_rule_in_a_namespace_package(tmp_path, monkeypatch):
+    """From the review: a namespace package (no __init__.py) has a __path__ but no __file__;
+    hashing its directory raised out of the plan key, sending every graph to eager."""
+    import sys
+
+    from fxpass.backends.bpu import digest
+
+    (tmp_path / "nsorg" / "rules").mkdir(parents=True)  # nsorg: a namespace package
+    (tmp_path / "nsorg" / "rules" / "__init__.py").write_text("")
+    (tmp_path / "nsorg" / "rules" / "r.py").write_text("def fn(): return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nsorg.rules.r as mod
+
+    class Rule:
+        name, plugin, fn = "r", "nsorg", staticmethod(mod.fn)
+
+    identity = digest.rule_identity(Rule())
+    assert identity[-1] is not None  # nsorg.rules (a regular package) is still covered
+    for name in ("nsorg.rules.r", "nsorg.rules", "nsorg"):
+        sys.modules.pop(name, None)
