@@ -59,6 +59,12 @@ def partition(
     }
     reasons.update(aliased_output_views(gm))
     reasons.update(strided_reads(gm))
+    for n in gm.graph.nodes:  # a piece of a tuple made on the CPU is taken there too (a
+        # region input is a tensor; found in review: a split on the CPU whose piece joined)
+        if (n.op == "call_function" and n.target is operator.getitem
+                and isinstance(n.args[0], Node) and reasons.get(n.args[0]) is not None
+                and reasons.get(n) is None):
+            reasons[n] = "a piece of a tuple made on the CPU"
     sink_cpu_nodes(gm, reasons)
     nodes = list(gm.graph.nodes)
     rejected: dict[Node, str] = {}
@@ -259,10 +265,13 @@ def strided_reads(gm: GraphModule) -> dict[Node, str]:
            "it out")
     for a in list(gm.graph.nodes):
         if a.op != "call_function" or a.target not in _ADDRESSING or not isinstance(
-                a.args[0], Node):
+                a.args[0], Node) or not a.users:
             continue
         base, chain = _view_chain(a.args[0])
         val = base.meta.get("val") if isinstance(base, Node) else None
+        if isinstance(val, torch.Tensor) and not all(
+                isinstance(v, int) for v in (*val.stride(), val.storage_offset())):
+            continue  # symbolic strides: no region runs such a graph (static shapes only)
         if not isinstance(val, torch.Tensor) or base.op == "placeholder":
             if chain:  # views of an input: made on the CPU, over the input itself
                 marked.update(dict.fromkeys(chain, why))

@@ -711,3 +711,26 @@ def test_a_bad_fxpass_variable_is_an_error_naming_it(monkeypatch):
     monkeypatch.setenv("FXPASS_REWRITE_LIMIT", "abc")
     with pytest.raises(ValueError, match="FXPASS_REWRITE_LIMIT='abc' is invalid"):
         validate_options({"cache": False})
+
+
+def test_as_strided_of_a_split_piece_used_inside_and_returned_beside_another(opts):
+    """From the review: a split piece both as_strided and used by a region, another piece
+    returned: the split went to the CPU for the aliasing, its piece joined the region, and
+    the region failed to compile (its input was the split's list)."""
+
+    class Pieces(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            p, q = self.lin(x).t().split(4)
+            return p.as_strided((2, 2), (1, 4), 1), self.l2(p), q
+
+    m, x = Pieces().eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        got = torch.compile(m, backend="fxpass_bpu", dynamic=False,
+                            options={**opts, "strict": True})(x)
+        for g, want in zip(got, m(x), strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    assert all(r.fallback is None for r in fxpass.compile_reports()[-1].regions)
