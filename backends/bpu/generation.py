@@ -169,7 +169,12 @@ def _recompile_reason() -> str | None:
     try:
         from torch._dynamo.utils import get_metrics_context
 
-        reason = get_metrics_context()._metrics.get("recompile_reason")
+        ctx = get_metrics_context()
+        # the context keeps its last reason after the compile ends: a rebuild at run time (a
+        # weight variant) read it again (found in review: a false "grows every call")
+        if not ctx.in_progress():
+            return None
+        reason = ctx._metrics.get("recompile_reason")
     except Exception:  # noqa: BLE001 - a private API; unknown is the safe answer
         return None
     return reason if isinstance(reason, str) else None

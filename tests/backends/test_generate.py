@@ -341,3 +341,30 @@ def test_an_input_growing_every_call_warns_once_naming_the_cause(opts):
     assert not quiet
     assert len(warned) == 1, warned
     assert "grew by one along dim 1" in warned[0] and "fixed length" in warned[0]
+
+
+def test_a_weight_variant_rebuilt_at_run_time_is_no_recompile(opts):
+    """From the review: Dynamo keeps its last recompile reason after a compile ends, and the
+    per-layer variants of a graph-broken stack, built at run time, counted one length change
+    once per layer: a false "grows every call" warning."""
+    import fxpass.backends.bpu.generation as gen
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            x = self.lin(x)
+            torch._dynamo.graph_break()
+            return torch.relu(x)
+
+    m = torch.nn.Sequential(*(Layer() for _ in range(3))).eval()
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    gen._recompiles.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (8, 9):
+            x = torch.randn(1, n, 16)
+            torch.testing.assert_close(c(x), m(x))
+    assert not [w for w in caught if issubclass(w.category, gen.RecompileWarning)]

@@ -128,6 +128,9 @@ def test_recompile_reasons_are_read_as_python_ints_only(monkeypatch, reason, exp
     class Metrics:
         _metrics = {"recompile_reason": reason}
 
+        def in_progress(self):
+            return True
+
     monkeypatch.setattr(du, "get_metrics_context", lambda: Metrics())
     assert generation.recompiled_int() == expected
 
