@@ -14,6 +14,7 @@ checks would silently return a different dtype or shape. The check is O(rank) pe
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -285,10 +286,13 @@ class Rewriter:
             fakes = iter(fake_args)
             placed = tuple(
                 ("node", _meta_key(next(fakes))) if isinstance(a, Node)
-                else ("value", type(a).__name__, a)
+                else ("value", type(a).__name__, repr(a))  # repr: -0.0 is not 0.0
                 for a in args
             )
-            code = getattr(fn, "__code__", None) or fn
+            # the function's own code, under its wrappers: torch._decomp's decompositions
+            # share their decorators' code objects (found in review: hardswish became silu)
+            inner = inspect.unwrap(fn)
+            code = getattr(inner, "__code__", None) or inner
             cache_key = (self.rule_name, code, key, placed)
         sub = self._traces.get(cache_key) if cache_key is not None else None
         if sub is None:

@@ -345,20 +345,45 @@ def neg_by_inline(node, rw):
 
 @rule(aten.abs.default)
 def abs_by_inline(node, rw):
-    spelled = rw.inline(lambda x: aten.maximum.default(x, aten.mul.Tensor(x, -1.0)),
-                        node.args[0], key="k")
+    if node.meta.get("spelled"):
+        return False
+    spelled = rw.inline(lambda x: aten.abs.default(x), node.args[0], key="k")
+    spelled.meta["spelled"] = True
     rw.replace(node, spelled)
+    return True
+
+
+@rule(aten.silu.default, aten.hardswish.default)
+def decompose_by_table(node, rw):
+    from torch._decomp import decomposition_table
+
+    rw.replace(node, rw.inline(decomposition_table[node.target], node.args[0], key="decomp"))
+    return True
+
+
+@rule(aten.add.Tensor)
+def add_by_inline(node, rw):
+    if node.meta.get("spelled") or not isinstance(node.args[1], float):
+        return False
+    out = rw.inline(lambda x, c: aten.add.Tensor(x, c), *node.args[:2], key="add")
+    out.meta["spelled"] = True
+    rw.replace(node, out)
     return True
 
 
 @pytest.mark.parametrize("rules, f", [
     ([spell_sub], lambda x: (x - 2.0, 2.0 - x)),
     ([neg_by_inline, abs_by_inline], lambda x: (-x, x.abs())),  # one key, two rules
+    # (from the review) torch._decomp's functions share their wrappers' code objects
+    ([decompose_by_table], lambda x: (torch.nn.functional.silu(x),
+                                      torch.nn.functional.hardswish(x))),
+    ([add_by_inline], lambda x: (x + 0.0, x + -0.0)),  # -0.0 == 0.0 as a key, not as a value
 ])
 def test_inline_trace_cache_never_splices_another_call(rules, f):
     gm = trace(f, torch.randn(4))
-    x = torch.randn(4)
+    x = torch.tensor([-0.0, 0.0, -1.5, 2.0])
     expected = gm(x)
     PassManager(rules).run(gm)
     for got, want in zip(gm(x), expected, strict=True):
         torch.testing.assert_close(got, want)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
