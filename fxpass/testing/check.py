@@ -69,9 +69,13 @@ def _flat(x: Any) -> list[Any]:
 
 
 def assert_outputs_close(
-    expected: Any, actual: Any, tolerance: dict[torch.dtype, tuple[float, float]] | None = None
+    expected: Any,
+    actual: Any,
+    tolerance: dict[torch.dtype, tuple[float, float]] | None = None,
+    signed_zeros: bool = True,
 ) -> None:
-    """Same structure, dtypes and shapes; values within the per-dtype tolerance (NaN == NaN)."""
+    """Same structure, dtypes and shapes; values within the per-dtype tolerance (NaN == NaN);
+    with ``signed_zeros``, zeros in both agree in sign."""
     tol = {**TOLERANCE, **(tolerance or {})}
     exp, act = _flat(expected), _flat(actual)
     assert len(exp) == len(act), f"output count changed: {len(exp)} -> {len(act)}"
@@ -98,6 +102,8 @@ def assert_outputs_close(
         )
         # a zero's sign is a value (1 / -0.0 is -inf): where both are exactly zero it must
         # agree (found by a probe: x + 0.0 -> x passed, though aten's -0.0 + 0.0 is +0.0)
+        if not signed_zeros:
+            continue
         zeros = (e == 0) & (a == 0)
         flipped = zeros & (torch.signbit(e) != torch.signbit(a))
         assert not bool(flipped.any()), (
@@ -137,6 +143,7 @@ def check_rule(
     tolerance: dict[torch.dtype, tuple[float, float]] | None = None,
     derandomize: bool | None = None,
     special_values: bool = True,
+    signed_zeros: bool = True,
 ) -> int:
     """Property-test ``rule`` on generated graphs; returns how often it fired.
 
@@ -148,7 +155,9 @@ def check_rule(
     ``special_values=False``); run a checked PassManager with ``rule`` (and ``with_rules``) to
     fixpoint (lint, contract checks: every edit must go through the Rewriter, termination via
     the budget); compare outputs, and the inputs the graph writes to, with the per-dtype
-    tolerance; check every node's ``meta['val']`` against the real values; run the rule again
+    tolerance (a zero's sign included, unless ``signed_zeros=False``: a rule that inlines one of
+    torch._decomp's decompositions inherits its signs, relu(-0.0) = +0.0 say); check every
+    node's ``meta['val']`` against the real values; run the rule again
     and require that it changes nothing (idempotence). With ``must_fire``, the rule must have
     fired on at least one graph, so the test cannot pass vacuously; with ``must_fire=False``
     the count is returned, so "must not fire here" is ``assert check_rule(...) == 0``.
@@ -198,9 +207,9 @@ def check_rule(
         gm.graph.lint()
         check_meta(gm, [t.clone() for t in inputs])
         try:
-            assert_outputs_close(expected, gm(*ins_after), tolerance)
+            assert_outputs_close(expected, gm(*ins_after), tolerance, signed_zeros)
             try:
-                assert_outputs_close(ins_before, ins_after, tolerance)
+                assert_outputs_close(ins_before, ins_after, tolerance, signed_zeros)
             except AssertionError as e:
                 msg = f"the rule changed what the graph writes to its inputs: {e}"
                 raise AssertionError(msg) from e

@@ -109,6 +109,10 @@ def test_sdpa_decomposition_on_generated_attention():
         # 0 where the math path, and the decomposition, give NaN): a difference of eager's
         # two kernels, not of the rule. Checked on finite inputs; see the test below for NaN.
         special_values=False,
+        # a fully masked row is 0 @ v: the fused kernel gives -0.0 where a value is negative,
+        # a matmul (whose sum starts at +0.0) gives +0.0; a zero's sign from a sum depends on
+        # the kernel, not on the rule
+        signed_zeros=False,
     )
     assert fired >= 10
 
