@@ -178,11 +178,13 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
         config = resolve_config(opts.get("quantize"))
     except QuantizationError as e:
         raise TypeError(f"fxpass_bpu option 'quantize': {e}") from None
-    if config is not None and not opts["freeze_weights"]:
+    board = opts.get("executor") == "hbdnn"  # the board path always quantizes
+    if (config is not None or board) and not opts["freeze_weights"]:
         # weights that are inputs would be calibrated as activations, once: after an update
         # the region kept the old ranges (found by a probe: cosine 0.89, no warning)
         raise TypeError(
-            "fxpass_bpu option 'quantize' needs freeze_weights=True: weights are quantized per "
+            "fxpass_bpu quantization (option 'quantize', or executor='hbdnn', which always "
+            "quantizes) needs freeze_weights=True: weights are quantized per "
             "channel when the region is built, and guarded; with freeze_weights=False they "
             "would be graph inputs quantized with calibrated activation ranges that a weight "
             "update silently outdates. Drop freeze_weights=False, or quantize=None")

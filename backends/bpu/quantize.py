@@ -248,12 +248,13 @@ def calibrate_ranges(
     from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
 
     check_feeds(proto, feeds, proto.graph.name or "region")
-    halves = [i.name for i in proto.graph.input
-              if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16]
+    floats = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+    halves = [i.name for i in proto.graph.input if i.type.tensor_type.elem_type in floats]
     if halves:  # (onnxruntime's own type error said nothing of why; found by a probe)
         raise NotImplementedError(
-            f"float16 region (inputs {', '.join(halves)}): onnxruntime's static quantizer "
-            "takes float32 models, so it stays float16; quantize the float32 model instead"
+            f"region with float inputs other than float32 ({', '.join(halves)}): "
+            "onnxruntime's static quantizer takes float32 models, so it stays float; "
+            "quantize the float32 model instead"
         )
     _, _, method = _ort_types(cfg)
     with tempfile.TemporaryDirectory(prefix="fxpass-calib-") as tmp:

@@ -295,6 +295,8 @@ def test_quantize_refuses_unfrozen_weights():
 
     with pytest.raises(TypeError, match="needs freeze_weights=True"):
         validate_options({"quantize": "w8a16", "freeze_weights": False})
+    with pytest.raises(TypeError, match="needs freeze_weights=True"):  # (from the review)
+        validate_options({"executor": "hbdnn", "freeze_weights": False})
     validate_options({"quantize": None, "freeze_weights": False})  # no quantization: fine
 
 
@@ -331,7 +333,7 @@ def test_float16_regions_say_why_they_stay_float(opts):
     fn = _compile(m, opts, quantize="w8a16")
     x = torch.randn(2, 16, dtype=torch.float16)
     with torch.no_grad():
-        with pytest.warns(UserWarning, match="float16 region .* quantize the float32 model"):
+        with pytest.warns(UserWarning, match="other than float32 .* quantize the float32 model"):
             (info,) = calibrate(fn, [x, torch.randn(2, 16, dtype=torch.float16)])
         torch.testing.assert_close(fn(x), m(x), rtol=1e-3, atol=1e-3)
     assert info.state.startswith("failed, runs float")
