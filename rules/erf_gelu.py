@@ -9,8 +9,9 @@ region at every MLP.
 
 Exact up to rounding for finite ``|x| <= FLT_MAX / 2``: ``gelu`` evaluates the same formula
 (``x * 0.5 * (1 + erf(x * M_SQRT1_2))``). At the edge of float32 aten's gelu kernel (which the
-lowering follows) differs from the spelled-out form: NaN at ``+inf`` (the formula gives inf)
-and inf above ``FLT_MAX / 2``, where it multiplies before halving (``docs/failure-model.md``).
+lowering follows, host by host) differs from the spelled-out form: NaN at ``+inf`` where that
+kernel gives NaN (the formula gives inf), and inf above ``FLT_MAX / 2`` in float32, where it
+multiplies before halving (``docs/failure-model.md``).
 """
 
 from __future__ import annotations
