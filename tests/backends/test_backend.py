@@ -499,6 +499,17 @@ def test_a_frozen_buffer_written_between_calls_becomes_an_input_once(opts):
             torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
 
 
+def _outputs_match_eager(m, x, opts):
+    """Compile ``m`` (static shapes), run it on ``x`` and compare every output with eager's
+    (float32 tolerances); returns the compiled outputs."""
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+    with torch.no_grad():
+        outs, ref = c(x), m(x)
+    for got, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    return outs
+
+
 def test_outputs_over_one_storage_alias_as_in_eager(opts):
     """Found by a probe: ``y, y.view(2, 16), y[0]`` came back as three separate buffers, so a
     write to one output did not show in the others (eager, aot_eager and inductor share)."""
@@ -607,13 +618,7 @@ def test_aliased_outputs_through_split_and_views_used_inside(opts):
             v = y.view(-1, 16)
             return y, a, b, v, self.lin2(v)
 
-    m, x = Pieces().eval(), torch.randn(4, 8)
-    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
-    with torch.no_grad():
-        outs, ref = c(x), m(x)
-    for got, want in zip(outs, ref, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    y, a, b, v, _ = outs
+    y, a, b, v, _ = _outputs_match_eager(Pieces().eval(), torch.randn(4, 8), opts)
     for piece in (a, b, v):
         assert piece.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
     y.mul_(0)
@@ -644,12 +649,7 @@ def test_as_strided_reads_eager_layout_over_region_outputs(opts):
     sliding-chunk attention: 1.4e-2 off). The reader's views are rebuilt on the CPU over a
     copy of their base in eager's strides."""
     torch.manual_seed(0)
-    m, x = _Restrides().eval(), torch.randn(4, 8)
-    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
-    with torch.no_grad():
-        outs, ref = c(x), m(x)
-    for got, want in zip(outs, ref, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _outputs_match_eager(_Restrides().eval(), torch.randn(4, 8), opts)
     report = fxpass.compile_reports()[-1]
     assert report.regions  # the GEMMs still run on the device
     assert any("addresses memory" in k for k in report.cpu_reasons)
@@ -727,10 +727,5 @@ def test_as_strided_of_a_split_piece_used_inside_and_returned_beside_another(opt
             p, q = self.lin(x).t().split(4)
             return p.as_strided((2, 2), (1, 4), 1), self.l2(p), q
 
-    m, x = Pieces().eval(), torch.randn(4, 8)
-    with torch.no_grad():
-        got = torch.compile(m, backend="fxpass_bpu", dynamic=False,
-                            options={**opts, "strict": True})(x)
-        for g, want in zip(got, m(x), strict=True):
-            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    _outputs_match_eager(Pieces().eval(), torch.randn(4, 8), {**opts, "strict": True})
     assert all(r.fallback is None for r in fxpass.compile_reports()[-1].regions)

@@ -348,18 +348,9 @@ def test_a_weight_variant_rebuilt_at_run_time_is_no_recompile(opts):
     per-layer variants of a graph-broken stack, built at run time, counted one length change
     once per layer: a false "grows every call" warning."""
     import fxpass.backends.bpu.generation as gen
+    from tests.backends.test_backend import _stack  # a graph break inside each layer
 
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(16, 16)
-
-        def forward(self, x):
-            x = self.lin(x)
-            torch._dynamo.graph_break()
-            return torch.relu(x)
-
-    m = torch.nn.Sequential(*(Layer() for _ in range(3))).eval()
+    m = _stack(3)
     c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
     gen._recompiles.clear()
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
