@@ -204,21 +204,26 @@ def recompiled_int() -> tuple[str, str] | None:
 
 
 def warn_if_recompiling() -> str | None:
-    """Warn once per source when a Python int has made Dynamo recompile a second time.
+    """Warn once per source when the same cause has made Dynamo recompile a second time: a
+    Python int, or an input grown by one along a dim.
 
-    One recompile on an int is normal (prefill, then decode); a second on the same source is
-    a value that changes per call.
+    One recompile is normal (prefill, then decode; a new prompt length); a second on the same
+    source is a value that changes per call.
     """
     grown = grown_input()
-    if grown is not None:
-        return _warn_growing_input(*grown)
-    found = recompiled_int()
+    found = (grown[0], f"{grown[1]}[{grown[2]}]") if grown else recompiled_int()
     if found is None:
         return None
     _recompiles[found] = _recompiles.get(found, 0) + 1
     if _recompiles[found] < 2:
         return None
-    src = found[1]
+    note = _note(*grown) if grown else _note_int(found[1])
+    if _recompiles[found] == 2:  # once per source
+        warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=3)
+    return note
+
+
+def _note_int(src: str) -> str:
     if re.match(STEP_COUNTERS, src):
         fix = "compile with fxpass.backends.bpu.compile_for_generate(model, max_cache_len=N)"
         what = "HF's sliding-window cache counts tokens in a Python int"
@@ -227,24 +232,15 @@ def warn_if_recompiling() -> str | None:
         fix = (f'mark it dynamic, e.g. torch.compiler.config.dynamic_sources = r".*\\.{tail}$" '
                "(a regex over Dynamo's source names), or hold it in a tensor")
         what = "a Python int the graph reads changed"
-    note = (
+    return (
         f"Dynamo recompiled because {src} changed ({what}); with dynamic=False each new value "
         f"is a new graph, and after torch._dynamo.config.recompile_limit the rest runs "
         f"eagerly. Fix: {fix}"
     )
-    if _recompiles[found] == 2:
-        warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=3)
-    return note
 
 
-def _warn_growing_input(frame: str, src: str, dim: int, size: int) -> str | None:
-    """The second time an input of one frame has grown by one element along a dim: warn once
-    per input. (One new length is an ordinary recompile, a new prompt length say.)"""
-    key = (frame, f"{src}[{dim}]")
-    _recompiles[key] = _recompiles.get(key, 0) + 1
-    if _recompiles[key] < 2:
-        return None
-    note = (
+def _note(frame: str, src: str, dim: int, size: int) -> str:
+    return (
         f"Dynamo recompiled because {src} grew by one along dim {dim} (now {size}): an input "
         "that grows every call, such as a sequence fed whole at every token by a model that "
         "keeps no KV cache (transformers ignores cache_implementation for models without "
@@ -253,6 +249,4 @@ def _warn_growing_input(frame: str, src: str, dim: int, size: int) -> str | None
         "length (padded), use a model with a static KV cache for generate(), or leave this "
         "model uncompiled"
     )
-    if _recompiles[key] == 2:
-        warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=4)
-    return note
+
