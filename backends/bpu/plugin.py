@@ -39,10 +39,12 @@ def _hidden(raw: str) -> int:
 
 
 def _march(raw: str) -> str:
-    from fxpass.backends.bpu.capability import MARCHES
+    from fxpass.backends.bpu.capability import march
 
-    if raw not in MARCHES:
-        raise argparse.ArgumentTypeError(f"unknown march {raw!r}; known: {sorted(MARCHES)}")
+    try:
+        march(raw)  # the backend's own check and message
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return raw
 
 
