@@ -261,6 +261,7 @@ def strided_reads(gm: GraphModule) -> dict[Node, str]:
     strides and offset (:func:`restrided`, a no-op when it already has them). A graph input
     has the caller's own layout and needs neither."""
     marked: dict[Node, str] = {}
+    laid_out: dict[Node, Node] = {}  # base -> its copy in eager's layout
     why = ("read by as_strided, which addresses memory: laid out on the CPU as eager lays "
            "it out")
     for a in list(gm.graph.nodes):
@@ -276,11 +277,13 @@ def strided_reads(gm: GraphModule) -> dict[Node, str]:
             if chain:  # views of an input: made on the CPU, over the input itself
                 marked.update(dict.fromkeys(chain, why))
             continue
-        with gm.graph.inserting_before(a):
-            laid = gm.graph.call_function(
-                restrided, (base, list(val.stride()), val.storage_offset()))
-        laid.meta = dict(base.meta)
-        marked[laid] = why
+        laid = laid_out.get(base)
+        if laid is None:  # one copy per base, before its first reader, for every reader
+            with gm.graph.inserting_before(a):
+                laid = laid_out[base] = gm.graph.call_function(
+                    restrided, (base, list(val.stride()), val.storage_offset()))
+            laid.meta = dict(base.meta)
+            marked[laid] = why
         new = _copy_chain(gm, laid, chain, a, why, marked)
         a.replace_input_with(a.args[0], new)
         for n in chain:  # the originals, where nothing else reads them

@@ -729,3 +729,22 @@ def test_as_strided_of_a_split_piece_used_inside_and_returned_beside_another(opt
 
     _outputs_match_eager(Pieces().eval(), torch.randn(4, 8), {**opts, "strict": True})
     assert all(r.fallback is None for r in fxpass.compile_reports()[-1].regions)
+
+
+def test_as_strided_readers_of_one_base_share_one_copy_of_it(opts):
+    """Three as_strided readers of one transposed GEMM result: one copy of it in eager's
+    layout (each reader's views are its own): 1 copy + 4 views on the CPU, not 3 copies."""
+
+    class Readers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x).t()
+            return (y.as_strided((4, 3), (1, 4)), y.as_strided((2, 2), (2, 1), 1),
+                    y[1:].as_strided((3,), (2,)))
+
+    _outputs_match_eager(Readers().eval(), torch.randn(4, 8), opts)
+    reasons = fxpass.compile_reports()[-1].cpu_reasons
+    assert [v for k, v in reasons.items() if "addresses memory" in k] == [5], reasons
