@@ -90,7 +90,9 @@ def _capture(
     finally:
         host._passes, host.MIN_SHARED_BYTES = real_passes, real_min
         rt.OrtExecutor.__call__, compile_mod.fuse_for_ort = real_call, real_fuse
-    decode = seen[-1]  # the decode graph compiles second
+    # the decode region runs once per new token, so it is the executor called most; not the
+    # last one seen: a tiered prefill region's second tier is first called after the decode's
+    decode = max(seen, key=lambda ex: sum(e is ex for e, _ in calls))
     in_generate = [t for ex, t in calls if ex is decode]
     return decode, decode.last_inputs, in_generate, counts[-1], run
 
