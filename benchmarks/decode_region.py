@@ -10,6 +10,9 @@ off. The decode region's model and one step's inputs are captured from a real ``
    in both). Reported: ONNX nodes of each (top level, as the session sees them) and the
    region's time on the captured inputs, the two sessions timed side by side
    (``harness.interleave``, medians).
+   **Host rotary fusion, A/B.** Compiled once more with the ``pointwise_before_repeat_cat``
+   rule off, so the region never sees the half table and keeps the decomposed rotary
+   (``backends/bpu/rotary.py``), timed in the same round-robin.
    **Weights in place, A/B.** A third compile writes every weight into the model (as before
    issue 12) instead of feeding the parameters in place (``host.shared_weights``): the region
    alone, and whole ``generate()`` calls (decode ms per token), side by side.
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _capture(
-    name: str, fuse_attention: bool, share_weights: bool = True
+    name: str, fuse_attention: bool, share_weights: bool = True, rotary: bool = True
 ) -> tuple[Any, tuple, list[float], int, Any]:
     """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
     seconds during one more generate of 33 tokens, its ONNX node count, the generate run)."""
@@ -80,7 +83,10 @@ def _capture(
         model.generation_config.cache_implementation = "static"
         model.generation_config.max_cache_len = PROMPT + 40
         model.forward = torch.compile(
-            model.forward, backend="fxpass_bpu", dynamic=False, options={"cache": False}
+            model.forward, backend="fxpass_bpu", dynamic=False,
+            # without the rule the region never sees the half table: no rotary fusion
+            options={"cache": False,
+                     "disable": [] if rotary else ["pointwise_before_repeat_cat"]},
         )
         run = _hf_generate(model, ids)
         with contextlib.redirect_stderr(io.StringIO()):
@@ -102,10 +108,12 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
     fused, args, in_generate, fused_nodes, gen = _capture(name, True)
     plain, plain_args, _, plain_nodes, _ = _capture(name, False)
+    no_rot, no_rot_args, _, no_rot_nodes, _ = _capture(name, True, rotary=False)
     written, written_args, _, _, gen_written = _capture(name, True, share_weights=False)
     call = rt.OrtExecutor.__call__
     ab = harness.interleave(
         {"fused": lambda: call(fused, *args), "unfused": lambda: call(plain, *plain_args),
+         "no rotary": lambda: call(no_rot, *no_rot_args),
          "weights written": lambda: call(written, *written_args)},
         warmup=20, repeats=repeats, budget_s=45.0, min_sample_s=0.05,
     )
@@ -136,7 +144,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     }
     return {
         "model": name,
-        "onnx_nodes": {"fused": fused_nodes, "unfused": plain_nodes},
+        "onnx_nodes": {"fused": fused_nodes, "unfused": plain_nodes, "no rotary": no_rot_nodes},
         "region_ms": {k: s.median * 1e3 for k, s in ab.items()},
         "shared_inputs": len(fused.shared),
         "decode_ms_per_token": decode_ms,
@@ -150,6 +158,9 @@ def to_markdown(r: dict[str, Any]) -> str:
          "value": f"{r['onnx_nodes']['fused']} / {r['onnx_nodes']['unfused']}"},
         {"measure": "decode region ms alone, side by side (fused / unfused)",
          "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['unfused']:.2f}"},
+        {"measure": "rotary fusion: ONNX nodes, region ms alone (with / without)",
+         "value": f"{r['onnx_nodes']['fused']} / {r['onnx_nodes']['no rotary']}, "
+                  f"{r['region_ms']['fused']:.2f} / {r['region_ms']['no rotary']:.2f}"},
         {"measure": f"weights read in place ({r['shared_inputs']} inputs) / written: region ms",
          "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['weights written']:.2f}"},
         {"measure": "weights read in place / written: decode ms per token in generate()",

@@ -25,6 +25,7 @@ from fxpass.rules.kv_cache import kv_cache_update
 from fxpass.rules.max_dim import max_dim_values
 from fxpass.rules.new_full import new_full
 from fxpass.rules.reductions import sum_to_mean, vector_norm
+from fxpass.rules.repeat_cat import pointwise_before_repeat_cat
 from fxpass.rules.roll import roll_to_cat
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
@@ -45,6 +46,7 @@ ALL = (
     functional_copy,
     roll_to_cat,
     stack_to_cat,
+    pointwise_before_repeat_cat,
     unbind_to_select,
     max_dim_values,
     amax_to_max_pool,

@@ -53,8 +53,10 @@ def _passes() -> list[tuple[str, object]]:
     )
 
     from fxpass.backends.bpu.attention import fuse_attention
+    from fxpass.backends.bpu.rotary import fuse_rotary
 
     return [
+        ("rotary_embedding", fuse_rotary),  # first: attention reads its output as q and k
         ("attention", fuse_attention),
         ("erf_gelu", fuse_erfgelu),
         ("rms_normalization", fuse_rms_normalization),

@@ -81,6 +81,8 @@ def test_host_fusions_fire_and_keep_eager_tokens(opts):
         assert fused.get("skip_rms_normalization", 0) >= 2, fused
         # every layer's attention (GQA over the static cache) is one Attention node
         assert fused.get("attention") == model.config.num_hidden_layers, fused
+        # q and k of every layer rotate in one RotaryEmbedding node
+        assert fused.get("rotary_embedding") == 2 * model.config.num_hidden_layers, fused
         assert "host fusions: " in str(r)
 
 

@@ -1,0 +1,106 @@
+"""The host's rotary fusion (``backends/bpu/rotary.py``), end to end through ``torch.compile``:
+HF's rotate-half rotary becomes one ``RotaryEmbedding`` node per rotated tensor, forms it must
+not take are left alone, and every case matches eager (float32: rtol 1e-5, atol 1e-5 scaled by
+the output's magnitude; the kernel may fuse a multiply-add, 1 ulp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpass
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _tables(pos, d, scaling=1.0):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = pos[..., None].float() * inv  # [B, L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # HF's rotary: both halves one table
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _run(fn, *args, opts):
+    before = len(fxpass.compile_reports())
+    expected = fn(*args)
+    got = torch.compile(fn, backend="fxpass_bpu", dynamic=False,
+                        options={**opts, "strict": True})(*args)
+    (report,) = fxpass.compile_reports()[before:]
+    for e, g in zip(expected, got, strict=True):
+        scale = max(1.0, e[e.isfinite()].abs().max().item())  # NaN and inf: where eager has them
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * scale, equal_nan=True)
+    assert report.regions and all(r.fallback is None for r in report.regions), str(report)
+    return sum(r.fusions.get("rotary_embedding", 0) for r in report.regions)
+
+
+@pytest.mark.parametrize("scaling", [1.0, 0.8], ids=["plain", "attention_scaling"])
+@pytest.mark.parametrize("b,length", [(1, 1), (2, 5)], ids=["decode", "prefill-batch2"])
+def test_hf_rotary_fuses_and_matches_eager(b, length, scaling, opts):
+    w = torch.randn(32, 32) / 6
+    q, k = torch.randn(b, 4, length, 32), torch.randn(b, 2, length, 32)
+    pos = torch.arange(7, 7 + length).expand(b, length) + torch.arange(b)[:, None]
+
+    def fn(q, k, pos):
+        cos, sin = _tables(pos, 32, scaling)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q @ w, k @ w
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    assert _run(fn, q, k, pos, opts=opts) == 2
+
+
+def test_partial_rotary_fuses_the_rotated_part(opts):
+    """GPT-NeoX / Phi style: only the first 16 of 32 channels rotate."""
+    w = torch.randn(32, 32) / 6
+    q, pos = torch.randn(1, 4, 3, 32), torch.arange(3)[None]
+
+    def fn(q, pos):
+        cos, sin = (t.unsqueeze(1) for t in _tables(pos, 16))
+        q = q @ w
+        rot, keep = q[..., :16], q[..., 16:]
+        return (torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1),)
+
+    assert _run(fn, q, pos, opts=opts) == 1
+
+
+def test_halves_that_differ_are_not_fused(opts):
+    """cos of two different tables: the kernel's half table would be wrong; decomposed ops."""
+    w = torch.randn(32, 32) / 6
+    q, a, b = torch.randn(1, 4, 3, 32), torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+
+    def fn(q, a, b):
+        cos, sin = torch.cat((a, b), -1).cos()[:, None], torch.cat((a, a), -1).sin()[:, None]
+        q = q @ w
+        return (q * cos + _rotate_half(q) * sin,)
+
+    assert _run(fn, q, a, b, opts=opts) == 0
+
+
+def test_a_rotation_read_elsewhere_is_not_fused(opts):
+    """rotate_half(q) is also an output: fusing would lose it."""
+    w = torch.randn(32, 32) / 6
+    q, pos = torch.randn(1, 4, 3, 32), torch.arange(3)[None]
+
+    def fn(q, pos):
+        cos, sin = (t.unsqueeze(1) for t in _tables(pos, 32))
+        q = q @ w
+        r = _rotate_half(q)
+        return q * cos + r * sin, r * 2
+
+    assert _run(fn, q, pos, opts=opts) == 0
+
+
+def test_non_finite_values_rotate_as_eager(opts):
+    w = torch.eye(32)
+    q, pos = torch.randn(1, 2, 3, 32), torch.arange(3)[None]
+    q[0, 0, 1, 3], q[0, 1, 2, 20], q[0, 1, 0, 5] = float("inf"), float("nan"), float("-inf")
+
+    def fn(q, pos):
+        cos, sin = (t.unsqueeze(1) for t in _tables(pos, 32))
+        q = q @ w
+        return (q * cos + _rotate_half(q) * sin,)
+
+    assert _run(fn, q, pos, opts=opts) == 1
