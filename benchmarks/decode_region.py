@@ -12,7 +12,10 @@ off. The decode region's model and one step's inputs are captured from a real ``
    (``harness.interleave``, medians).
    **Host rotary fusion, A/B.** Compiled once more with the ``pointwise_before_repeat_cat``
    rule off, so the region never sees the half table and keeps the decomposed rotary
-   (``backends/bpu/rotary.py``), timed in the same round-robin.
+   (``backends/bpu/rotary.py``), timed in the same round-robin. Both fusions also as paired
+   differences (``_paired``: the sessions back to back, order alternating, median of 300).
+   **The products alone:** a model of only the region's top-level Gemm nodes over the same
+   weights, read in place (``_products_only``), in the same round-robin: what the rest costs.
    **Weights in place, A/B.** A third compile writes every weight into the model (as before
    issue 12) instead of feeding the parameters in place (``host.shared_weights``): the region
    alone, and whole ``generate()`` calls (decode ms per token), side by side.
@@ -57,10 +60,12 @@ def _capture(
     if not share_weights:  # every weight written into the model, as before issue 12
         host.MIN_SHARED_BYTES = 1 << 62
     counts: list[int] = []
+    protos: list[Any] = []
 
     def fuse(proto: Any) -> Any:
         fused, found = real_fuse(proto)
         counts.append(len(fused.graph.node))
+        protos.append(fused)
         return fused, found
 
     if not fuse_attention:
@@ -100,7 +105,73 @@ def _capture(
     # last one seen: a tiered prefill region's second tier is first called after the decode's
     decode = max(seen, key=lambda ex: sum(e is ex for e, _ in calls))
     in_generate = [t for ex, t in calls if ex is decode]
+    # the decode region's model: the one whose inputs have the shapes of its last call
+    shapes = [tuple(t.shape) for t in decode.last_inputs]
+    decode.proto = next(p for p in reversed(protos) if [
+        tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in p.graph.input
+    ][: len(shapes)] == shapes)
     return decode, decode.last_inputs, in_generate, counts[-1], run
+
+
+def _products_only(region: Any) -> tuple[Any, tuple]:
+    """An executor running only ``region``'s top-level Gemm nodes, on the same weights (read in
+    place as the region reads them) and a random row each: what its products alone cost."""
+    import onnx
+    from onnx import helper
+
+    from fxpass.backends.bpu import runtime as rt
+
+    proto = region.proto
+    inits = {i.name: i for i in proto.graph.initializer}
+    declared = {i.name: i for i in proto.graph.input}
+    nodes, inputs, outputs, rows, used = [], [], [], {}, set()
+    for j, n in enumerate(x for x in proto.graph.node if x.op_type == "Gemm"):
+        w = n.input[1]
+        if w in inits:
+            k = (list(inits[w].dims)[::-1] if _trans_b(n) else list(inits[w].dims))[0]
+        else:
+            dims = [d.dim_value for d in declared[w].type.tensor_type.shape.dim]
+            k = dims[1] if _trans_b(n) else dims[0]
+        rows.setdefault(k, f"row{k}")
+        if w not in used and w in declared:
+            inputs.append(declared[w])
+        used.add(w)
+        nodes.append(helper.make_node("Gemm", [rows[k], w], [f"y{j}"], transB=_trans_b(n)))
+        outputs.append(helper.make_tensor_value_info(f"y{j}", onnx.TensorProto.FLOAT, None))
+    row_inputs = [helper.make_tensor_value_info(r, onnx.TensorProto.FLOAT, [1, k])
+                  for k, r in rows.items()]
+    graph = helper.make_graph(nodes, "products", row_inputs + inputs, outputs,
+                              initializer=[inits[w] for w in used if w in inits])
+    model = helper.make_model(graph, opset_imports=list(proto.opset_import))
+    model.ir_version = proto.ir_version
+    shared = {name: region.shared[name] for name in used if name in region.shared}
+    missing = [i.name for i in inputs if i.name not in shared]
+    if missing:
+        raise RuntimeError(f"weights {missing} are region inputs the executor does not feed")
+    ex = rt.OrtExecutor(model.SerializeToString(), list(rows.values()), shared=shared,
+                        prepack=False)
+    return ex, tuple(torch.randn(1, k) for k in rows)
+
+
+def _trans_b(node: Any) -> int:
+    return next((a.i for a in node.attribute if a.name == "transB"), 0)
+
+
+def _paired(without: Any, with_: Any, pairs: int = 300) -> float:
+    """Median over ``pairs`` of t(without) - t(with_), ms, the two run back to back with
+    their order alternating (positive: the fusion saves time)."""
+    for _ in range(20):
+        without(), with_()
+    diffs = []
+    for i in range(pairs):
+        order = (without, with_) if i % 2 else (with_, without)
+        t = [time.perf_counter()]
+        for fn in order:
+            fn()
+            t.append(time.perf_counter())
+        first, second = t[1] - t[0], t[2] - t[1]
+        diffs.append((second - first) if i % 2 == 0 else (first - second))
+    return statistics.median(diffs) * 1e3
 
 
 def measure(name: str, repeats: int) -> dict[str, Any]:
@@ -111,12 +182,21 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     no_rot, no_rot_args, _, no_rot_nodes, _ = _capture(name, True, rotary=False)
     written, written_args, _, _, gen_written = _capture(name, True, share_weights=False)
     call = rt.OrtExecutor.__call__
+    products, product_args = _products_only(fused)
     ab = harness.interleave(
         {"fused": lambda: call(fused, *args), "unfused": lambda: call(plain, *plain_args),
          "no rotary": lambda: call(no_rot, *no_rot_args),
-         "weights written": lambda: call(written, *written_args)},
+         "weights written": lambda: call(written, *written_args),
+         "products only": lambda: call(products, *product_args)},
         warmup=20, repeats=repeats, budget_s=45.0, min_sample_s=0.05,
     )
+    # the fusions' A/Bs as paired differences too: the two sessions called back to back in
+    # alternating order, 300 pairs; a median of differences holds still where medians of
+    # separate samples moved by more than the effect (0.26 ms the wrong way in one run)
+    paired = {
+        "attention": _paired(lambda: call(plain, *plain_args), lambda: call(fused, *args)),
+        "rotary": _paired(lambda: call(no_rot, *no_rot_args), lambda: call(fused, *args)),
+    }
     steps = {}
     for n in (1, 33):  # whole generate() calls, weights read in place vs written
         st = harness.interleave(
@@ -146,6 +226,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "model": name,
         "onnx_nodes": {"fused": fused_nodes, "unfused": plain_nodes, "no rotary": no_rot_nodes},
         "region_ms": {k: s.median * 1e3 for k, s in ab.items()},
+        "paired_saving_ms": paired,
         "shared_inputs": len(fused.shared),
         "decode_ms_per_token": decode_ms,
         "placement": placement,
@@ -161,6 +242,10 @@ def to_markdown(r: dict[str, Any]) -> str:
         {"measure": "rotary fusion: ONNX nodes, region ms alone (with / without)",
          "value": f"{r['onnx_nodes']['fused']} / {r['onnx_nodes']['no rotary']}, "
                   f"{r['region_ms']['fused']:.2f} / {r['region_ms']['no rotary']:.2f}"},
+        {"measure": "the region's Gemm nodes alone, same weights read in place: ms",
+         "value": f"{r['region_ms']['products only']:.2f}"},
+        *({"measure": f"{k} fusion saves, ms per call (median of 300 paired differences)",
+           "value": f"{v:.3f}"} for k, v in r["paired_saving_ms"].items()),
         {"measure": f"weights read in place ({r['shared_inputs']} inputs) / written: region ms",
          "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['weights written']:.2f}"},
         {"measure": "weights read in place / written: decode ms per token in generate()",

@@ -132,7 +132,8 @@ def compile_region(
     if cfg is not None:
         return _compile_quantizing(rg, name, key, input_names, march, kind, cfg, cache, threads)
     fuse = options.get("host_fusions", True)
-    return _compile_ort(rg, name, key, input_names, cache, threads, fuse, tiered)
+    rows = 1 if options.get("prepack_one_row") is False else None  # 1: one row reads in place
+    return _compile_ort(rg, name, key, input_names, cache, threads, fuse, tiered, rows)
 
 
 def _compile_ort(
@@ -144,6 +145,7 @@ def _compile_ort(
     threads: int | None = None,
     fuse: bool = True,
     tiered: bool = True,
+    rows: int | None = None,
 ) -> Compiled:
     """The host executor: the region's model reads the model's own weights in place.
 
@@ -174,11 +176,15 @@ def _compile_ort(
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
     proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
-    if tiered and prepack_helps(proto) and tier_pays(weights, buffers):
+    if rows is None and any(src in buffers for src, _ in weights.casts.values()):
+        # BF16 weights at one row keep reading a float32 cast made once (host.cast_weight):
+        # a first tier would cast them on every call, 10x slower (docs/benchmarks.md)
+        rows = 1
+    if tiered and prepack_helps(proto, rows) and tier_pays(weights, buffers):
         fusions: dict[str, int] = {}
         if fuse:
             proto, fusions = fuse_for_ort(proto)
-        first = in_place_model(proto, weights, buffers) if prepack_helps(proto) else None
+        first = in_place_model(proto, weights, buffers) if prepack_helps(proto, rows) else None
         if first is not None:
             data, shared, attrs = first
             fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False,
@@ -198,13 +204,14 @@ def _compile_ort(
 
             def second() -> Any:
                 return _build_ort(rg, key, input_names, cache, threads, proto, weights,
-                                  buffers, fusions, (data, fast_meta), unchanged).executor
+                                  buffers, fusions, (data, fast_meta), unchanged, rows).executor
 
             size = len(data) + sum(t.numel() * t.element_size() for t in shared.values())
             return Compiled(TieredExecutor(fast, second, name), key, False, size, fusions)
-        return _build_ort(rg, key, input_names, cache, threads, proto, weights, buffers, fusions)
+        return _build_ort(rg, key, input_names, cache, threads, proto, weights, buffers, fusions,
+                          rows=rows)
     return _build_ort(rg, key, input_names, cache, threads, proto, weights, buffers,
-                      None if fuse else {})
+                      None if fuse else {}, rows=rows)
 
 
 def _build_ort(
@@ -213,6 +220,7 @@ def _build_ort(
     buffers: dict[str, torch.Tensor], fusions: dict[str, int] | None,
     fast: tuple[bytes, dict[str, str]] | None = None,
     check: Any = None,
+    rows: int | None = None,
 ) -> Compiled:
     """``_compile_ort`` from the lowered model: ``fusions`` None runs them here (beside the
     weights write), else they ran already. ``fast``: a tiered region's first-tier model and
@@ -227,14 +235,14 @@ def _build_ort(
         early = None  # (the write, the checksum it feeds)
         # (Only while fusions run: a tiered region's build runs on the tier thread, possibly
         # during interpreter exit, when no new thread pool may start.)
-        if tmp is not None and fuse and prepack_helps(proto):
+        if tmp is not None and fuse and prepack_helps(proto, rows):
             pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fxpass-weights"))
             checksum = Checksum()
             early = (pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
                                  checksum.update), checksum)
         if fuse:
             proto, fusions = fuse_for_ort(proto)
-        prepack = prepack_helps(proto)
+        prepack = prepack_helps(proto, rows)
         if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
             with contextlib.suppress(OSError):  # the write below reports a full disk
                 early[0].result()

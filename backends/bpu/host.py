@@ -95,10 +95,14 @@ def fuse_for_ort(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int
 # ------------------------------------------------------------------ weights read in place
 #: Smaller weights are written into the model: sharing them saves nothing worth a feed.
 MIN_SHARED_BYTES = 64 * 1024
-#: Up to this many rows (tokens) per Gemm/MatMul, onnxruntime's weight prepacking is no
-#: faster (a decode step: 1 row) but costs a second copy of every weight and most of the
-#: session's load time; above it, prepacked GEMMs are up to 2x faster, so they keep it.
-PREPACK_MAX_ROWS = 1
+#: Up to this many rows (tokens) per Gemm/MatMul a region reads its weights in place instead
+#: of prepacking them. 0: every region prepacks (tiered, ``runtime.TieredExecutor``), a decode
+#: step's one row included: onnxruntime's prepacked GEMV was 1.21x faster for a Qwen3 4 x 1024
+#: 1-token forward and took a Qwen3 4 x 512 decode step from 7.91 to 6.56 ms
+#: (``benchmarks.tiering``, ``benchmarks.decode_region``), at the price of a packed copy of the
+#: weights per region. The option ``prepack_one_row=False`` makes it 1: one-row regions (a
+#: decode step) read the weights in place and hold no copy.
+PREPACK_MAX_ROWS = 0
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch.int32,
                  torch.int8, torch.uint8, torch.bool)
 #: weight dtypes a first tier reads in place and casts in its graph (``in_place_model``);
@@ -273,9 +277,11 @@ def saves_prepacked(model: onnx.ModelProto) -> bool:
     )
 
 
-def prepack_helps(model: onnx.ModelProto) -> bool:
-    """Whether some Gemm/MatMul multiplies more than :data:`PREPACK_MAX_ROWS` rows by an
-    initializer (or its shape is unknown): then onnxruntime should prepack its weights."""
+def prepack_helps(model: onnx.ModelProto, max_rows: int | None = None) -> bool:
+    """Whether some Gemm/MatMul multiplies more than ``max_rows`` rows (default
+    :data:`PREPACK_MAX_ROWS`) by an initializer (or its shape is unknown): then onnxruntime
+    should prepack its weights."""
+    max_rows = PREPACK_MAX_ROWS if max_rows is None else max_rows
     g = model.graph
     inits = {i.name for i in g.initializer}
     shapes = {vi.name: vi.type.tensor_type.shape for vi in [*g.input, *g.value_info, *g.output]}
@@ -284,6 +290,6 @@ def prepack_helps(model: onnx.ModelProto) -> bool:
             continue
         shape = shapes.get(nd.input[0])
         dims = [d.dim_value if d.HasField("dim_value") else 0 for d in shape.dim] if shape else []
-        if not dims or 0 in dims or math.prod(dims[:-1]) > PREPACK_MAX_ROWS:
+        if not dims or 0 in dims or math.prod(dims[:-1]) > max_rows:
             return True
     return False

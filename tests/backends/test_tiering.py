@@ -301,18 +301,21 @@ with torch.no_grad():
     assert list(tmp_path.rglob("*.host.bin")) and list(tmp_path.rglob("*.fast.onnx"))
 
 
-@pytest.mark.parametrize(("dtype", "rows"),
-                         [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 1)])
+@pytest.mark.parametrize(("dtype", "rows", "in_place"), [
+    (torch.float32, 16, False), (torch.bfloat16, 16, False), (torch.float32, 1, False),
+    (torch.float32, 1, True),
+])
 def test_hit_with_weights_in_another_layout_is_not_read_in_place(
-    dtype, rows, small_tier, tmp_path
+    dtype, rows, in_place, small_tier, tmp_path
 ):
     """The key hashes a weight's values, not its strides: a model holding the same values as
     transposed views hits the entry. Its weights cannot be fed in place (an OrtValue reads a
     BF16 pointer as row-major: the review's reproduction gave an error of 1.34), so the hit
-    opens the prepacked model instead, and a one-row (decode) entry, which reads its weights in
-    place in every tier, is a miss; the answer is eager's."""
+    opens the prepacked model instead, and a one-row entry that reads its weights in place in
+    every tier (``prepack_one_row=False``) is a miss; the answer is eager's."""
+    opts = {"prepack_one_row": False} if in_place else {}
     x = torch.randn(rows, 64).to(dtype)
-    _compile(_model(dtype, 512), x, tmp_path)
+    _compile(_model(dtype, 512), x, tmp_path, **opts)
     settle()
     twin = _model(dtype, 512)
     for p in twin.parameters():
@@ -320,8 +323,8 @@ def test_hit_with_weights_in_another_layout_is_not_read_in_place(
             p.data = p.data.t().contiguous().t()  # same values, column-major
     assert not any(p.is_contiguous() for p in twin.parameters() if p.dim() == 2)
     _Tiered.made = []
-    c, out = _compile(twin, x, tmp_path)
-    assert fxpass.compile_reports()[-1].regions[0].cached is (rows > 1)
+    c, out = _compile(twin, x, tmp_path, **opts)
+    assert fxpass.compile_reports()[-1].regions[0].cached is not in_place
     assert _Tiered.made == []
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
         "rtol": 1.6e-2, "atol": 1e-2}
