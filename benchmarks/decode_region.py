@@ -15,10 +15,11 @@ off. The decode region's model and one step's inputs are captured from a real ``
    (``backends/bpu/rotary.py``), timed in the same round-robin. Both fusions also as paired
    differences (``_paired``: the sessions back to back, order alternating, median of 300).
    **The products alone:** a model of only the region's top-level Gemm nodes over the same
-   weights, read in place (``_products_only``), in the same round-robin: what the rest costs.
-   **Weights in place, A/B.** A third compile writes every weight into the model (as before
-   issue 12) instead of feeding the parameters in place (``host.shared_weights``): the region
-   alone, and whole ``generate()`` calls (decode ms per token), side by side.
+   weights (``_products_only``), in the same round-robin: what the rest of the region costs.
+   **Prepacked or in place, A/B.** Another compile with ``prepack_one_row=False``: the decode
+   region reads the parameters in place (``host.shared_weights``) instead of onnxruntime's
+   prepacked copies (the default): the region alone, whole ``generate()`` calls (decode ms per
+   token), and the products alone in both forms, side by side.
 2. **Where the region runs.** The fused region's executor timed in the same process: in a
    tight loop, after a 2 ms idle gap (a decode step's host work between two calls), right after
    a parallel torch op (a 512x512 matmul), and inside ``generate()`` (wrapped executor, median
@@ -47,18 +48,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _capture(
-    name: str, fuse_attention: bool, share_weights: bool = True, rotary: bool = True
+    name: str, fuse_attention: bool, in_place: bool = False, rotary: bool = True
 ) -> tuple[Any, tuple, list[float], int, Any]:
     """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
     seconds during one more generate of 33 tokens, its ONNX node count, the generate run)."""
     import fxpass.backends.bpu.compile as compile_mod
     import fxpass.backends.bpu.host as host
     from fxpass.backends.bpu import runtime as rt
+    from fxpass.backends.bpu import settle
 
     real_passes, real_call, real_fuse = host._passes, rt.OrtExecutor.__call__, host.fuse_for_ort
-    real_min = host.MIN_SHARED_BYTES
-    if not share_weights:  # every weight written into the model, as before issue 12
-        host.MIN_SHARED_BYTES = 1 << 62
     counts: list[int] = []
     protos: list[Any] = []
 
@@ -90,16 +89,18 @@ def _capture(
         model.forward = torch.compile(
             model.forward, backend="fxpass_bpu", dynamic=False,
             # without the rule the region never sees the half table: no rotary fusion
-            options={"cache": False,
+            # in_place: the decode region reads the weights in place, not prepacked copies
+            options={"cache": False, "prepack_one_row": not in_place,
                      "disable": [] if rotary else ["pointwise_before_repeat_cat"]},
         )
         run = _hf_generate(model, ids)
         with contextlib.redirect_stderr(io.StringIO()):
             run(33)  # compiles prefill and decode
+            settle()  # the prepacked second tiers are built: the next run is steady state
             calls.clear()
             run(33)
     finally:
-        host._passes, host.MIN_SHARED_BYTES = real_passes, real_min
+        host._passes = real_passes
         rt.OrtExecutor.__call__, compile_mod.fuse_for_ort = real_call, real_fuse
     # the decode region runs once per new token, so it is the executor called most; not the
     # last one seen: a tiered prefill region's second tier is first called after the decode's
@@ -113,11 +114,12 @@ def _capture(
     return decode, decode.last_inputs, in_generate, counts[-1], run
 
 
-def _products_only(region: Any) -> tuple[Any, tuple]:
-    """An executor running only ``region``'s top-level Gemm nodes, on the same weights (read in
-    place as the region reads them) and a random row each: what its products alone cost."""
+def _products_only(region: Any, prepack: bool) -> tuple[Any, tuple]:
+    """An executor running only ``region``'s top-level Gemm nodes on the same weights and a
+    random row each: what its products alone cost. ``region`` reads its weights in place;
+    ``prepack``: written as initializers (copies) and prepacked, as the default region does."""
     import onnx
-    from onnx import helper
+    from onnx import helper, numpy_helper
 
     from fxpass.backends.bpu import runtime as rt
 
@@ -148,8 +150,16 @@ def _products_only(region: Any) -> tuple[Any, tuple]:
     missing = [i.name for i in inputs if i.name not in shared]
     if missing:
         raise RuntimeError(f"weights {missing} are region inputs the executor does not feed")
+    if prepack:  # the weights as initializers onnxruntime prepacks
+        model.graph.initializer.extend(
+            numpy_helper.from_array(t.numpy(), name) for name, t in shared.items())
+        kept = {i.name for i in model.graph.initializer}
+        del model.graph.input[:]
+        model.graph.input.extend(row_inputs)
+        assert kept >= used
+        shared = {}
     ex = rt.OrtExecutor(model.SerializeToString(), list(rows.values()), shared=shared,
-                        prepack=False)
+                        prepack=prepack)
     return ex, tuple(torch.randn(1, k) for k in rows)
 
 
@@ -180,14 +190,16 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     fused, args, in_generate, fused_nodes, gen = _capture(name, True)
     plain, plain_args, _, plain_nodes, _ = _capture(name, False)
     no_rot, no_rot_args, _, no_rot_nodes, _ = _capture(name, True, rotary=False)
-    written, written_args, _, _, gen_written = _capture(name, True, share_weights=False)
+    in_place, in_place_args, _, _, gen_in_place = _capture(name, True, in_place=True)
     call = rt.OrtExecutor.__call__
-    products, product_args = _products_only(fused)
+    products, product_args = _products_only(in_place, prepack=False)
+    packed_products, _ = _products_only(in_place, prepack=True)
     ab = harness.interleave(
         {"fused": lambda: call(fused, *args), "unfused": lambda: call(plain, *plain_args),
          "no rotary": lambda: call(no_rot, *no_rot_args),
-         "weights written": lambda: call(written, *written_args),
-         "products only": lambda: call(products, *product_args)},
+         "weights in place": lambda: call(in_place, *in_place_args),
+         "products only, in place": lambda: call(products, *product_args),
+         "products only, prepacked": lambda: call(packed_products, *product_args)},
         warmup=20, repeats=repeats, budget_s=45.0, min_sample_s=0.05,
     )
     # the fusions' A/Bs as paired differences too: the two sessions called back to back in
@@ -198,9 +210,9 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "rotary": _paired(lambda: call(no_rot, *no_rot_args), lambda: call(fused, *args)),
     }
     steps = {}
-    for n in (1, 33):  # whole generate() calls, weights read in place vs written
+    for n in (1, 33):  # whole generate() calls, the decode region prepacked vs in place
         st = harness.interleave(
-            {"in place": lambda n=n: gen(n), "written": lambda n=n: gen_written(n)},
+            {"prepacked": lambda n=n: gen(n), "in place": lambda n=n: gen_in_place(n)},
             warmup=2, repeats=3 * repeats, budget_s=90.0, min_repeats=repeats, settle_s=0.05,
         )
         steps[n] = {k: s.median for k, s in st.items()}
@@ -227,7 +239,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "onnx_nodes": {"fused": fused_nodes, "unfused": plain_nodes, "no rotary": no_rot_nodes},
         "region_ms": {k: s.median * 1e3 for k, s in ab.items()},
         "paired_saving_ms": paired,
-        "shared_inputs": len(fused.shared),
+        "shared_inputs": len(in_place.shared),
         "decode_ms_per_token": decode_ms,
         "placement": placement,
     }
@@ -242,15 +254,17 @@ def to_markdown(r: dict[str, Any]) -> str:
         {"measure": "rotary fusion: ONNX nodes, region ms alone (with / without)",
          "value": f"{r['onnx_nodes']['fused']} / {r['onnx_nodes']['no rotary']}, "
                   f"{r['region_ms']['fused']:.2f} / {r['region_ms']['no rotary']:.2f}"},
-        {"measure": "the region's Gemm nodes alone, same weights read in place: ms",
-         "value": f"{r['region_ms']['products only']:.2f}"},
+        {"measure": "the region's Gemm nodes alone, same weights: ms (prepacked / in place)",
+         "value": f"{r['region_ms']['products only, prepacked']:.2f} / "
+                  f"{r['region_ms']['products only, in place']:.2f}"},
         *({"measure": f"{k} fusion saves, ms per call (median of 300 paired differences)",
            "value": f"{v:.3f}"} for k, v in r["paired_saving_ms"].items()),
-        {"measure": f"weights read in place ({r['shared_inputs']} inputs) / written: region ms",
-         "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['weights written']:.2f}"},
-        {"measure": "weights read in place / written: decode ms per token in generate()",
-         "value": f"{r['decode_ms_per_token']['in place']:.2f} / "
-                  f"{r['decode_ms_per_token']['written']:.2f}"},
+        {"measure": "weights prepacked (default) / read in place "
+                    f"({r['shared_inputs']} inputs, prepack_one_row=False): region ms",
+         "value": f"{r['region_ms']['fused']:.2f} / {r['region_ms']['weights in place']:.2f}"},
+        {"measure": "weights prepacked / read in place: decode ms per token in generate()",
+         "value": f"{r['decode_ms_per_token']['prepacked']:.2f} / "
+                  f"{r['decode_ms_per_token']['in place']:.2f}"},
         *({"measure": f"fused region ms, {k[:-3].replace('_', ' ')}", "value": f"{v:.2f}"}
           for k, v in r["placement"].items()),
     ]

@@ -43,8 +43,8 @@ def one(model_name: str, tokens: int) -> dict[str, Any]:
     default_rows = host.PREPACK_MAX_ROWS
     with torch.no_grad():
         ref = model(**kw)[0]
-        # prepacked: every Gemm prepacks, one row included (PREPACK_MAX_ROWS=0), so the 1-token
-        # row measures what the default (no prepacking at one row) gives up
+        # prepacked: every Gemm prepacks, one row included (PREPACK_MAX_ROWS=0, the default),
+        # so the 1-token row measures what prepack_one_row=False gives up
         for name, rows in (("prepacked", 0), ("in place", 10**9)):
             host.PREPACK_MAX_ROWS = rows
             try:

@@ -28,7 +28,7 @@ _UNARY = (
     aten.sigmoid.default, aten.tanh.default, aten.sqrt.default, aten.rsqrt.default,
     aten.reciprocal.default, aten.relu.default, aten.silu.default, CAST,
     aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
-    aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar,
+    aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar,
 )
 
 

@@ -178,6 +178,7 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     env.validate_all()
     opts.setdefault("freeze_weights", True)
     opts.setdefault("host_fusions", True)
+    opts.setdefault("prepack_one_row", True)  # unset and True: one cache key
     from fxpass.backends.bpu.quantize import QuantizationError, resolve_config
 
     try:  # a bad quantize value fails here, not per region

@@ -42,6 +42,7 @@ from fxpass.backends.bpu.digest import fresh_digest, tensor_digest
 from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
     cast_weight,
+    casts_in_place,
     fuse_for_ort,
     in_place_initializers,
     in_place_model,
@@ -149,8 +150,9 @@ def _compile_ort(
 ) -> Compiled:
     """The host executor: the region's model reads the model's own weights in place.
 
-    Linear weights lower as ``Gemm(transB=1)`` over the weight itself. Where onnxruntime
-    would not prepack (one row per GEMM: a decode step), every frozen weight is a graph input
+    Linear weights lower as ``Gemm(transB=1)`` over the weight itself. Where the region does
+    not prepack (``rows``: 1 for one row per GEMM with ``prepack_one_row=False``, or BF16
+    casts at one row; default ``host.PREPACK_MAX_ROWS``), every frozen weight is a graph input
     fed from the caller's tensor (``host.shared_weights``), so neither the model, nor the
     cache, nor onnxruntime holds a copy of it; only weight views (a bf16 weight cast to
     float32) are written. The cache keeps onnxruntime's optimized model (``.host.onnx``, a
@@ -176,7 +178,7 @@ def _compile_ort(
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
     proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
-    if rows is None and any(src in buffers for src, _ in weights.casts.values()):
+    if rows is None and casts_in_place(weights, buffers):
         # BF16 weights at one row keep reading a float32 cast made once (host.cast_weight):
         # a first tier would cast them on every call, 10x slower (docs/benchmarks.md)
         rows = 1

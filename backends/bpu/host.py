@@ -97,11 +97,11 @@ def fuse_for_ort(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int
 MIN_SHARED_BYTES = 64 * 1024
 #: Up to this many rows (tokens) per Gemm/MatMul a region reads its weights in place instead
 #: of prepacking them. 0: every region prepacks (tiered, ``runtime.TieredExecutor``), a decode
-#: step's one row included: onnxruntime's prepacked GEMV was 1.21x faster for a Qwen3 4 x 1024
-#: 1-token forward and took a Qwen3 4 x 512 decode step from 7.91 to 6.56 ms
-#: (``benchmarks.tiering``, ``benchmarks.decode_region``), at the price of a packed copy of the
-#: weights per region. The option ``prepack_one_row=False`` makes it 1: one-row regions (a
-#: decode step) read the weights in place and hold no copy.
+#: step's one row included: with onnxruntime's prepacked GEMV a Qwen3 4 x 1024 1-token forward
+#: was 1.12x faster and a Qwen3 4 x 512 decode region 1.26x (``benchmarks.tiering``,
+#: ``benchmarks.decode_region``), at the price of a packed copy of the weights per region.
+#: The option ``prepack_one_row=False`` makes it 1: one-row regions (a decode step) read the
+#: weights in place and hold no copy.
 PREPACK_MAX_ROWS = 0
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch.int32,
                  torch.int8, torch.uint8, torch.bool)
@@ -198,6 +198,18 @@ def tier_pays(weights: Weights, tensors: dict[str, torch.Tensor]) -> bool:
     return sum(tensors[n].numel() * tensors[n].element_size() for n in names) >= TIER_MIN_BYTES
 
 
+def _cast_in_graph(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether a first tier reads ``t`` in place and casts it to ``dtype`` on every call."""
+    return (t is not None and t.device.type == "cpu" and t.is_contiguous()
+            and t.dtype in _FEEDABLE and dtype == torch.float32
+            and t.numel() * t.element_size() >= MIN_SHARED_BYTES)
+
+
+def casts_in_place(weights: Weights, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a first tier (:func:`in_place_model`) would cast some weight on every call."""
+    return any(_cast_in_graph(tensors.get(src), dtype) for src, dtype in weights.casts.values())
+
+
 def in_place_model(
     proto: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
 ) -> tuple[bytes, dict[str, torch.Tensor], dict[str, str]] | None:
@@ -218,9 +230,7 @@ def in_place_model(
     shared, attrs, casts = {}, {}, []
     for name, (src, dtype) in weights.casts.items():
         t = tensors.get(src)
-        if (name not in inits or t is None or t.device.type != "cpu" or not t.is_contiguous()
-                or t.dtype not in _FEEDABLE or dtype != torch.float32
-                or t.numel() * t.element_size() < MIN_SHARED_BYTES):
+        if name not in inits or not _cast_in_graph(t, dtype):
             continue
         g.initializer.remove(inits[name])
         del rest[name]

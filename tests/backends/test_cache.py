@@ -146,8 +146,9 @@ def test_warm_compile_loads_the_plan_and_runs_no_rule(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 16], ids=["weights-as-inputs", "prepacked-inits"])
 def test_warm_plan_hit_binds_in_place_weights(rows, tmp_path, monkeypatch):
-    """A plan hit binds the weights its regions read in place (one row: graph inputs; more:
-    onnxruntime initializers) through the plan's attribute -> placeholder map. The first
+    """A plan hit binds the weights its regions read in place (one row with
+    ``prepack_one_row=False``: graph inputs; otherwise onnxruntime initializers) through the
+    plan's attribute -> placeholder map. The first
     version of binding by region attribute passed the plan's placeholder map instead: every
     such region missed its plan (a warm Qwen3 process: 0.35 s instead of 0.25 s), which the
     small-weights MLP above could not show."""
@@ -160,9 +161,13 @@ def test_warm_plan_hit_binds_in_place_weights(rows, tmp_path, monkeypatch):
     m = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(),
                             torch.nn.Linear(256, 128)).eval()
     x = torch.randn(rows, 128)
-    err, _, d = _compile(m, x, cache_dir=str(tmp_path), tiered=False)
+    opts = {"cache_dir": str(tmp_path), "tiered": False, "prepack_one_row": rows > 1}
+    err, _, d = _compile(m, x, **opts)
     assert err < 1e-5 and d.get("plan_stored") == 1
-    err, r2, d = _compile(m, x, cache_dir=str(tmp_path), tiered=False)
+    if rows == 1:  # the weights are graph inputs of the stored model, fed in place
+        (meta,) = tmp_path.rglob("*.host.json")
+        assert json.loads(meta.read_bytes())["shared"], "one row: weights fed as inputs"
+    err, r2, d = _compile(m, x, **opts)
     assert err < 1e-5 and d == {"plan_hit": 1}, d
     assert [g.cached for g in r2.regions] == [True]
 

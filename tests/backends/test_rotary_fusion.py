@@ -66,17 +66,21 @@ def test_partial_rotary_fuses_the_rotated_part(opts):
     assert _run(fn, q, pos, opts=opts) == 1
 
 
-def test_halves_that_differ_are_not_fused(opts):
-    """cos of two different tables: the kernel's half table would be wrong; decomposed ops."""
+@pytest.mark.parametrize("same", [True, False], ids=["equal-halves", "halves-differ"])
+def test_only_a_table_of_equal_halves_is_fused(same, opts):
+    """The tables are concatenated inside the region (no cos/sin on the CPU in front), so the
+    fusion sees Concat(a, b): a kernel fed half of a table whose halves differ would be wrong
+    (the decomposed ops stay); equal halves fuse."""
     w = torch.randn(32, 32) / 6
     q, a, b = torch.randn(1, 4, 3, 32), torch.randn(1, 3, 16), torch.randn(1, 3, 16)
 
     def fn(q, a, b):
-        cos, sin = torch.cat((a, b), -1).cos()[:, None], torch.cat((a, a), -1).sin()[:, None]
+        cos = torch.cat((a, a if same else b), -1)[:, None]
+        sin = torch.cat((b, b), -1)[:, None]
         q = q @ w
         return (q * cos + _rotate_half(q) * sin,)
 
-    assert _run(fn, q, a, b, opts=opts) == 0
+    assert _run(fn, q, a, b, opts=opts) == int(same)
 
 
 def test_a_rotation_read_elsewhere_is_not_fused(opts):

@@ -1,6 +1,6 @@
 """Host regions read the model's weights in place: no copy in the model, the cache or
-onnxruntime (issue 12, "no extra copy of the weights"), where onnxruntime would not prepack
-them anyway (one row per GEMM, a decode step)."""
+onnxruntime (issue 12, "no extra copy of the weights"), where they do not prepack: a first tier,
+and one row per GEMM (a decode step) with ``prepack_one_row=False``."""
 
 from __future__ import annotations
 
@@ -474,3 +474,19 @@ def test_a_hit_binds_weights_by_region_attribute_not_placeholder(rows, tmp_path,
         with torch.no_grad():
             torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
     assert fxpass.compile_reports()[-1].regions[0].cached is True
+
+
+def test_bf16_one_row_reads_a_float32_cast_made_once_by_default(tmp_path, monkeypatch):
+    """BF16 weights at one row are not tiered even though one-row regions prepack by default:
+    a first tier would cast every weight on every call (10x slower). The executor casts them
+    once and reads the copies in place; the answer is eager's."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                            torch.nn.Linear(512, 256)).eval().to(torch.bfloat16)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    _, out = _compile(m, x, tmp_path, monkeypatch, one_row_in_place=False)
+    with torch.no_grad():  # bf16 computed in float32 on the host: bf16 tolerance
+        torch.testing.assert_close(out.float(), m(x).float(), rtol=1.6e-2, atol=1e-2)
+    (ex,) = _Recording.made  # one session: no first tier
+    assert ex.shared and _entry(tmp_path)[1]["prepack"] is False
+
