@@ -73,22 +73,27 @@ def fuse_attention(model: ir.Model) -> int:
 def kernel_available() -> bool:
     """Whether this onnxruntime runs opset 23's ``Attention`` on the CPU (the project allows
     onnxruntime releases from before it): probed once per process with a one-node model."""
+    ones = np.ones((1, 1, 1, 2), np.float32)
+    y = probe("Attention", {"q": ones, "k": ones, "v": ones})
+    return y is not None and bool(np.allclose(y, ones))
+
+
+def probe(op: str, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Run one default-domain ``op`` node of opset :data:`OPSET` on ``feeds`` (its inputs, in
+    order) with onnxruntime's CPU provider: its output, or None if it does not run here."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, 1, 2]) for n in "qkvy"]
-    graph = helper.make_graph(
-        [helper.make_node("Attention", ["q", "k", "v"], ["y"])], "probe", x[:3], x[3:]
-    )
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in [*feeds, "y"]]
+    graph = helper.make_graph([helper.make_node(op, list(feeds), ["y"])], "probe", vi[:-1],
+                              vi[-1:])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 10
     try:
         sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        ones = np.ones((1, 1, 1, 2), np.float32)
-        (y,) = sess.run(None, {"q": ones, "k": ones, "v": ones})
-        return bool(np.allclose(y, ones))
-    except Exception:  # noqa: BLE001 - any failure means: do not fuse
-        return False
+        return sess.run(None, feeds)[0]
+    except Exception:  # noqa: BLE001 - any failure means: the kernel is not available
+        return None
 
 
 def _shape(v: ir.Value | None) -> tuple[int, ...] | None:

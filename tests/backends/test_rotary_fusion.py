@@ -16,6 +16,15 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _proj_weight():
+    return torch.randn(32, 32) / 6  # a projection in front: the region has compute
+
+
+def _rope(x, cos, sin):
+    """HF's ``apply_rotary_pos_emb`` for one tensor."""
+    return x * cos + _rotate_half(x) * sin
+
+
 def _tables(pos, d, scaling=1.0):
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = pos[..., None].float() * inv  # [B, L, D/2]
@@ -39,7 +48,7 @@ def _run(fn, *args, opts):
 @pytest.mark.parametrize("scaling", [1.0, 0.8], ids=["plain", "attention_scaling"])
 @pytest.mark.parametrize("b,length", [(1, 1), (2, 5)], ids=["decode", "prefill-batch2"])
 def test_hf_rotary_fuses_and_matches_eager(b, length, scaling, opts):
-    w = torch.randn(32, 32) / 6
+    w = _proj_weight()
     q, k = torch.randn(b, 4, length, 32), torch.randn(b, 2, length, 32)
     pos = torch.arange(7, 7 + length).expand(b, length) + torch.arange(b)[:, None]
 
@@ -47,21 +56,21 @@ def test_hf_rotary_fuses_and_matches_eager(b, length, scaling, opts):
         cos, sin = _tables(pos, 32, scaling)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q @ w, k @ w
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rope(q, cos, sin), _rope(k, cos, sin)
 
     assert _run(fn, q, k, pos, opts=opts) == 2
 
 
 def test_partial_rotary_fuses_the_rotated_part(opts):
     """GPT-NeoX / Phi style: only the first 16 of 32 channels rotate."""
-    w = torch.randn(32, 32) / 6
+    w = _proj_weight()
     q, pos = torch.randn(1, 4, 3, 32), torch.arange(3)[None]
 
     def fn(q, pos):
         cos, sin = (t.unsqueeze(1) for t in _tables(pos, 16))
         q = q @ w
         rot, keep = q[..., :16], q[..., 16:]
-        return (torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1),)
+        return (torch.cat((_rope(rot, cos, sin), keep), dim=-1),)
 
     assert _run(fn, q, pos, opts=opts) == 1
 
@@ -71,21 +80,21 @@ def test_only_a_table_of_equal_halves_is_fused(same, opts):
     """The tables are concatenated inside the region (no cos/sin on the CPU in front), so the
     fusion sees Concat(a, b): a kernel fed half of a table whose halves differ would be wrong
     (the decomposed ops stay); equal halves fuse."""
-    w = torch.randn(32, 32) / 6
+    w = _proj_weight()
     q, a, b = torch.randn(1, 4, 3, 32), torch.randn(1, 3, 16), torch.randn(1, 3, 16)
 
     def fn(q, a, b):
         cos = torch.cat((a, a if same else b), -1)[:, None]
         sin = torch.cat((b, b), -1)[:, None]
         q = q @ w
-        return (q * cos + _rotate_half(q) * sin,)
+        return (_rope(q, cos, sin),)
 
     assert _run(fn, q, a, b, opts=opts) == int(same)
 
 
 def test_a_rotation_read_elsewhere_is_not_fused(opts):
     """rotate_half(q) is also an output: fusing would lose it."""
-    w = torch.randn(32, 32) / 6
+    w = _proj_weight()
     q, pos = torch.randn(1, 4, 3, 32), torch.arange(3)[None]
 
     def fn(q, pos):
@@ -105,6 +114,6 @@ def test_non_finite_values_rotate_as_eager(opts):
     def fn(q, pos):
         cos, sin = (t.unsqueeze(1) for t in _tables(pos, 32))
         q = q @ w
-        return (q * cos + _rotate_half(q) * sin,)
+        return (_rope(q, cos, sin),)
 
     assert _run(fn, q, pos, opts=opts) == 1
