@@ -53,6 +53,7 @@ def _passes() -> list[tuple[str, object]]:
     )
 
     from fxpass.backends.bpu.attention import fuse_attention
+    from fxpass.backends.bpu.output_view import output_views
     from fxpass.backends.bpu.rotary import fuse_rotary
 
     return [
@@ -64,6 +65,7 @@ def _passes() -> list[tuple[str, object]]:
         ("skip_rms_normalization", fuse_skip_rms_normalization),
         ("gelu", fuse_gelu),
         ("bias_gelu", fuse_bias_gelu),
+        ("output_view", output_views),  # last: a fusion may leave an output's Reshape
     ]
 
 
