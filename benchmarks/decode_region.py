@@ -61,14 +61,14 @@ def _capture(
     counts: list[int] = []
     protos: list[Any] = []
 
-    def fuse(proto: Any) -> Any:
-        fused, found = real_fuse(proto)
+    def fuse(proto: Any, *args: Any) -> Any:
+        fused, found = real_fuse(proto, *args)
         counts.append(len(fused.graph.node))
         protos.append(fused)
         return fused, found
 
     if not fuse_attention:
-        host._passes = lambda: [p for p in real_passes() if p[0] != "attention"]
+        host._passes = lambda *a: [p for p in real_passes(*a) if p[0] != "attention"]
     seen: list[Any] = []
     calls: list[tuple[Any, float]] = []
 

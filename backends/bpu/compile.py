@@ -185,7 +185,7 @@ def _compile_ort(
     if tiered and prepack_helps(proto, rows) and tier_pays(weights, buffers):
         fusions: dict[str, int] = {}
         if fuse:
-            proto, fusions = fuse_for_ort(proto)
+            proto, fusions = fuse_for_ort(proto, weights)
         first = in_place_model(proto, weights, buffers) if prepack_helps(proto, rows) else None
         if first is not None:
             data, shared, attrs = first
@@ -243,7 +243,7 @@ def _build_ort(
             early = (pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
                                  checksum.update), checksum)
         if fuse:
-            proto, fusions = fuse_for_ort(proto)
+            proto, fusions = fuse_for_ort(proto, weights)
         prepack = prepack_helps(proto, rows)
         if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
             with contextlib.suppress(OSError):  # the write below reports a full disk

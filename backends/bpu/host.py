@@ -40,9 +40,12 @@ from fxpass.backends.bpu.lowering.driver import Weights, write_weights
 _FUSING = threading.Lock()
 
 
-def _passes() -> list[tuple[str, object]]:
+def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
     """(name, fusion pass) in the order ``optimize_for_ort`` applies them; names are its
-    count keys, so reports read the same as before."""
+    count keys, so reports read the same as before. ``weights``: the data of the weightless
+    model's initializers, for the passes that must read a constant (the rotary tables)."""
+    import functools
+
     from onnxscript.rewriter.ort_fusions.bias_gelu import fuse_bias_gelu
     from onnxscript.rewriter.ort_fusions.erfgelu import fuse_erfgelu
     from onnxscript.rewriter.ort_fusions.gelu import fuse_gelu
@@ -57,7 +60,8 @@ def _passes() -> list[tuple[str, object]]:
     from fxpass.backends.bpu.rotary import fuse_rotary
 
     return [
-        ("rotary_embedding", fuse_rotary),  # first: attention reads its output as q and k
+        # first: attention reads its output as q and k
+        ("rotary_embedding", functools.partial(fuse_rotary, weights=weights)),
         ("attention", fuse_attention),
         ("erf_gelu", fuse_erfgelu),
         ("rms_normalization", fuse_rms_normalization),
@@ -69,14 +73,17 @@ def _passes() -> list[tuple[str, object]]:
     ]
 
 
-def fuse_for_ort(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """The region model with onnxruntime's fused operators, and the count of each fusion."""
+def fuse_for_ort(
+    proto: onnx.ModelProto, weights: Weights | None = None
+) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """The region model with onnxruntime's fused operators, and the count of each fusion.
+    ``weights`` (from ``lower_weightless``) lets a fusion read a folded constant's data."""
     import onnx_ir as ir
     import onnx_ir.passes.common as common
 
     model = ir.from_proto(proto)
     with _FUSING:
-        counts = {name: fuse(model) for name, fuse in _passes()}
+        counts = {name: fuse(model) for name, fuse in _passes(weights)}
     if any(counts.values()):
         # what optimize_for_ort's final cleanup does: inline helper functions a fusion left,
         # drop the nodes and constants it replaced (else onnxruntime warns per initializer)

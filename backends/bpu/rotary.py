@@ -18,11 +18,14 @@ order of the Muls and the Add, and ``C``, ``S`` ``[B, 1, L, D]`` each a ``Concat
 last axis behind Muls by a one-element constant and Reshapes that keep the last axis (the
 unsqueeze of HF's ``cos.unsqueeze(1)``, ``* attention_scaling``). ``RotaryEmbedding`` is fed
 ``c`` through the same Muls, reshaped to ``[B, L, D/2]``: the same table values eager uses.
+Without a KV cache the tables fold to constants: a folded table whose two halves are equal
+bit for bit (read from the weights, ``_Halves``) is fed its first half the same way.
 
 Exactness: the kernel computes ``x1 * c - x2 * s`` and ``x2 * c + x1 * s`` from the same
 values eager multiplies and adds; it may fuse a multiply-add (1 ulp, checked against eager in
 ``tests/backends/test_rotary_fusion.py``). Not fused: a Slice, Neg or Concat used outside the
-match (its value would be lost), a table whose halves are not one value, shapes not static.
+match (its value would be lost), a table whose halves are not one value (or, folded, differ
+in a bit), shapes not static.
 
 The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.fuse_for_ort`.
 """
@@ -35,19 +38,22 @@ import numpy as np
 import onnx_ir as ir
 
 from fxpass.backends.bpu.attention import _const, _initializer, _op, _shape, probe
+from fxpass.backends.bpu.lowering.driver import Weights
 
 OPSET = 23  # the first opset with RotaryEmbedding
 
 
-def fuse_rotary(model: ir.Model) -> int:
-    """Replace each matched rotary embedding in ``model`` by one ``RotaryEmbedding`` node."""
+def fuse_rotary(model: ir.Model, weights: Weights | None = None) -> int:
+    """Replace each matched rotary embedding in ``model`` by one ``RotaryEmbedding`` node.
+    ``weights``: the data of the weightless model's initializers (a folded table's values)."""
     if not kernel_available():
         return 0
     graph = model.graph
     tables: dict[int, ir.Value] = {}  # one half table per distinct cos/sin value
+    folded = _Halves(graph, weights or {})
     count = 0
     for add in [n for n in graph if n.op_type == "Add" and n.domain == ""]:
-        m = _match(add)
+        m = _match(add, folded)
         if m is None:
             continue
         x, (cos, cos_chain), (sin, sin_chain), nodes = m
@@ -81,7 +87,7 @@ def kernel_available() -> bool:
     return y is not None and bool(np.array_equal(y, want))
 
 
-def _match(add: ir.Node) -> tuple | None:
+def _match(add: ir.Node, folded: _Halves) -> tuple | None:
     """(x, (cos, chain), (sin, chain), the matched nodes) or None."""
     for mul_x, mul_r in (add.inputs, add.inputs[::-1]):
         mx, mr = _op(mul_x, "Mul"), _op(mul_r, "Mul")
@@ -98,7 +104,7 @@ def _match(add: ir.Node) -> tuple | None:
             if cos is None or shape is None or len(shape) != 4 or x.dtype != ir.DataType.FLOAT:
                 continue
             b, _, length, d = shape
-            tables = [_half_table(t, (b, 1, length, d)) for t in (cos, sin)]
+            tables = [_half_table(t, (b, 1, length, d), folded) for t in (cos, sin)]
             if None in tables or _shape(add.outputs[0]) != shape:
                 continue
             nodes = [add, mx, mr, cat, neg, *slices]
@@ -147,14 +153,22 @@ def _slice(node: ir.Node, d: int) -> tuple[int, int] | None:
     return start, end
 
 
-def _half_table(t: ir.Value, want: tuple[int, ...]) -> tuple[ir.Value, list] | None:
+def _half_table(
+    t: ir.Value, want: tuple[int, ...], folded: _Halves
+) -> tuple[ir.Value, list] | None:
     """``t`` ([B, 1, L, D]) as (c, the one-element Muls between) when ``t`` is ``Concat(c, c)``
-    on its last axis, seen through those Muls and Reshapes keeping the last axis."""
+    on its last axis, or a folded constant whose two halves are equal (``_Halves``), seen
+    through those Muls and Reshapes keeping the last axis."""
     if _shape(t) != want:
         return None
     d, chain = want[-1], []
     while True:
         node = t.producer()
+        if node is None and _shape(t) is not None and _shape(t)[-1] == d:
+            c = folded(t)
+            if c is None or 2 * int(np.prod(_shape(c))) != int(np.prod(want)):
+                return None
+            return c, chain[::-1]
         if node is None or node.domain != "" or _shape(t) is None or _shape(t)[-1] != d:
             return None
         if node.op_type == "Reshape" and (_shape(node.inputs[0]) or (0,))[-1] == d:
@@ -179,6 +193,42 @@ def _half_table(t: ir.Value, want: tuple[int, ...]) -> tuple[ir.Value, list] | N
             return c, chain[::-1]
         else:
             return None
+
+
+class _Halves:
+    """The first half (last axis) of a folded table initializer whose two halves are equal,
+    as a new initializer, made once per table; None for anything else.
+
+    Without a KV cache (a plain forward) the positions are constants, so cos and sin fold
+    to constant tables and no ``Concat`` is left to see. The model the fusions rewrite holds
+    no weight data, so the values come from ``weights`` (``lower_weightless``) and are
+    compared bit for bit; a table not there, not float32, or with halves that differ in any
+    bit is not fused."""
+
+    def __init__(self, graph: ir.Graph, weights: dict) -> None:
+        self.graph, self.weights = graph, weights
+        self.made: dict[int, ir.Value | None] = {}
+
+    def __call__(self, t: ir.Value) -> ir.Value | None:
+        if id(t) not in self.made:
+            self.made[id(t)] = self._half(t)
+        return self.made[id(t)]
+
+    def _half(self, t: ir.Value) -> ir.Value | None:
+        w = self.weights.get(t.name) if t.is_initializer() else None
+        if w is None or t.dtype != ir.DataType.FLOAT:
+            return None
+        a = np.asarray(w[2]())
+        d = a.shape[-1] if a.ndim else 0
+        if a.dtype != np.float32 or tuple(a.shape) != _shape(t) or d % 2 or d == 0:
+            return None
+        bits = a.view(np.uint32)
+        if not np.array_equal(bits[..., : d // 2], bits[..., d // 2:]):
+            return None
+        half = np.ascontiguousarray(a[..., : d // 2])
+        v = _initializer(self.graph, f"{t.name}/rotary_half", half)
+        v.shape, v.type = ir.Shape(v.const_value.shape), ir.TensorType(ir.DataType.FLOAT)
+        return v
 
 
 def _table(graph: ir.Graph, before: ir.Node, c: ir.Value, chain: list[ir.Value],

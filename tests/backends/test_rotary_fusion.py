@@ -117,3 +117,27 @@ def test_non_finite_values_rotate_as_eager(opts):
         return (_rope(q, cos, sin),)
 
     assert _run(fn, q, pos, opts=opts) == 1
+
+
+@pytest.mark.parametrize("halves", ["equal", "one-bit-apart"])
+@pytest.mark.parametrize("b", [1, 2])
+def test_folded_tables_fuse_only_with_equal_halves(halves, b, opts):
+    """A forward without a KV cache: the positions are constants, so cos and sin fold to
+    constant tables and the region sees initializers, not ``Concat(c, c)``. The fusion reads
+    their values from the weights (the fused model itself holds none) and feeds the first
+    half only when both halves are equal bit for bit; a table one ulp apart stays decomposed
+    and still matches eager. Batch 2 reads a [1, 1, L, D] table broadcast over the batch:
+    not the kernel's [B, L, D/2], so not fused."""
+    w = _proj_weight()
+    q, k = torch.randn(b, 4, 5, 32), torch.randn(b, 2, 5, 32)
+
+    def fn(q, k):
+        cos, sin = _tables(torch.arange(3, 8)[None], 32)
+        if halves == "one-bit-apart":
+            cos = cos.clone()
+            cos[..., -1] = torch.nextafter(cos[..., -1], torch.tensor(2.0))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q @ w, k @ w
+        return _rope(q, cos, sin), _rope(k, cos, sin)
+
+    assert _run(fn, q, k, opts=opts) == (2 if halves == "equal" and b == 1 else 0)
