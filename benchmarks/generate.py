@@ -291,7 +291,7 @@ def _outside_replayed(
     real = be.GuardedGraph.__call__
     replay: dict[int, Any] = {}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    stream = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+    stream = np.ones(max(min(nbytes, 2**29) // 4, 1), dtype=np.float32)  # <= 512 MB: >> L3
     flush = [False]
     spent = [0.0]
 

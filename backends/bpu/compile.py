@@ -43,6 +43,7 @@ from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
     cast_weight,
     casts_in_place,
+    declared_weights,
     fuse_for_ort,
     in_place_initializers,
     in_place_model,
@@ -186,6 +187,7 @@ def _compile_ort(
         fusions: dict[str, int] = {}
         if fuse:
             proto, fusions = fuse_for_ort(proto, weights)
+            weights = declared_weights(proto, weights)
         first = in_place_model(proto, weights, buffers) if prepack_helps(proto, rows) else None
         if first is not None:
             data, shared, attrs = first
@@ -244,6 +246,7 @@ def _build_ort(
                                  checksum.update), checksum)
         if fuse:
             proto, fusions = fuse_for_ort(proto, weights)
+            weights = declared_weights(proto, weights)
         prepack = prepack_helps(proto, rows)
         if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
             with contextlib.suppress(OSError):  # the write below reports a full disk

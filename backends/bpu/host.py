@@ -101,6 +101,30 @@ def fuse_for_ort(
     return fused, {k: v for k, v in counts.items() if v}
 
 
+def declared_weights(proto: onnx.ModelProto, weights: Weights) -> Weights:
+    """``weights`` without those the fused ``proto`` no longer declares as initializers.
+
+    Why: a fusion can leave a weight unused (a folded rotary table replaced by its half), and
+    the cleanup then drops its initializer. Everything after the fusions works from
+    ``weights``: written back, it would come back as an unused initializer (bytes in the
+    model and the cache file); fed in place (``shared_weights``), it would be a feed the
+    model has no input for, and the session would refuse it. A new mapping, not an edit:
+    the weights file may still be being written from the old one (``compile._build_ort``)."""
+    names: set[str] = set()
+    graphs = [proto.graph]
+    while graphs:
+        g = graphs.pop()
+        names.update(i.name for i in g.initializer)
+        for node in g.node:
+            for a in node.attribute:
+                graphs.extend([a.g] if a.HasField("g") else [])
+                graphs.extend(a.graphs)
+    kept = Weights()
+    kept.update((n, w) for n, w in weights.items() if n in names)
+    kept.casts = {n: c for n, c in weights.casts.items() if n in names}
+    return kept
+
+
 # ------------------------------------------------------------------ weights read in place
 #: Smaller weights are written into the model: sharing them saves nothing worth a feed.
 MIN_SHARED_BYTES = 64 * 1024

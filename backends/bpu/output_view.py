@@ -9,7 +9,8 @@ The output becomes the ``Reshape``'s input, under the output's name, and ``Regio
 views it back to the compiled shape, which it already knows and checks (a view of a
 contiguous tensor: no copy; it falls back to eager if the element count differs). Only
 outputs of a static shape whose data is computed in the graph (not a graph input or a
-constant) and is not already another output are changed. The board path never runs this pass.
+constant) and is not already another output (itself or through an ``Identity``) are
+changed. The board path never runs this pass.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def output_views(model: Any) -> int:
             continue
         if data.is_initializer() or data.const_value is not None or data.producer() is None:
             continue
+        if any(u.op_type == "Identity" and u.outputs[0].is_graph_output()
+               for u in data.consumers()):
+            continue  # also an output as it is: two outputs would become one buffer
         if out.shape is None or not all(isinstance(d, int) for d in out.shape):
             continue  # RegionCall views it back to the compiled shape: it must be static
         name = out.name

@@ -348,6 +348,7 @@ class RegionCall(torch.nn.Module):
                 outs = self.executor(*tensors)
             except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
                 return self._fallback(f"{type(e).__name__}: {e}", tensors)
+            views = False  # an output left unreshaped (host.output_views): viewed back here
             for o, shape in zip(outs, self.out_shapes, strict=True):
                 if shape is not None and o.shape != shape:
                     if o.numel() != math.prod(shape):
@@ -355,11 +356,12 @@ class RegionCall(torch.nn.Module):
                             f"output shape {tuple(o.shape)} is not the compiled {tuple(shape)}",
                             tensors,
                         )
-                    outs = tuple(
-                        x.reshape(s) if s is not None else x
-                        for x, s in zip(outs, self.out_shapes, strict=True)
-                    )
-                    break
+                    views = True
+            if views:
+                outs = tuple(
+                    x.reshape(s) if s is not None else x
+                    for x, s in zip(outs, self.out_shapes, strict=True)
+                )
             return outs
         return tuple(self._eager()(*tensors))
 

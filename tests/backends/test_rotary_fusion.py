@@ -141,3 +141,24 @@ def test_folded_tables_fuse_only_with_equal_halves(halves, b, opts):
         return _rope(q, cos, sin), _rope(k, cos, sin)
 
     assert _run(fn, q, k, opts=opts) == (2 if halves == "equal" and b == 1 else 0)
+
+
+def test_a_buffer_table_fuses_and_is_not_fed(opts):
+    """cos/sin as the model's own buffers (64 KiB each, so large enough to be fed in place):
+    fused, the full tables are no longer in the model, so they must not be fed or written
+    back either (``host.declared_weights``); the session refused the feed before."""
+    length, d = 128, 128
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            cos, sin = _tables(torch.arange(length)[None], d)
+            self.register_buffer("cos", cos.unsqueeze(1).contiguous())  # [1, 1, L, D]
+            self.register_buffer("sin", sin.unsqueeze(1).contiguous())
+
+        def forward(self, q, p):
+            return (_rope(q @ p, self.cos, self.sin),)
+
+    m = Rope().eval()
+    q, p = torch.randn(1, 2, length, d), torch.randn(d, d) / 12
+    assert _run(m, q, p, opts=opts) == 1

@@ -75,3 +75,37 @@ def test_compile_reports_are_bounded(opts, monkeypatch):
             torch._dynamo.reset()
             torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)(torch.randn(n, 8))
     assert len(fxpass.compile_reports()) <= 2
+
+
+@pytest.mark.parametrize("bad", [0, 1], ids=["first-output", "second-output"])
+def test_an_output_of_another_size_falls_back_wherever_it_is(bad):
+    """RegionCall views unreshaped outputs back (``host.output_views``); an output whose
+    element count differs from the compiled shape is an executor fault, wherever it sits
+    among the outputs: eager's answer with a warning, never a crash in the view."""
+    from torch.fx import symbolic_trace
+
+    from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
+
+    def fn(x):
+        return x.view(2, 3) * 2, x.view(3, 2) + 1
+
+    gm = symbolic_trace(fn)
+    x = torch.randn(6)
+
+    def executor(t):  # the first output unreshaped (a view is fine), one output too short
+        outs = [(t * 2).clone(), (t + 1).clone()]
+        outs[bad] = outs[bad][:5]
+        return tuple(outs)
+
+    call = RegionCall("r", executor, gm, [x], out_shapes=[torch.Size([2, 3]), torch.Size([3, 2])])
+    with pytest.warns(RegionFallbackWarning, match="is not the compiled"):
+        got = call(x)
+    for g, e in zip(got, fn(x), strict=True):
+        torch.testing.assert_close(g, e)
+    good = RegionCall("r", lambda t: ((t * 2).clone(), (t + 1).clone()), gm, [x],
+                      out_shapes=[torch.Size([2, 3]), torch.Size([3, 2])])
+    with _no_fallback():
+        got = good(x)
+    assert [tuple(g.shape) for g in got] == [(2, 3), (3, 2)]
+    for g, e in zip(got, fn(x), strict=True):
+        torch.testing.assert_close(g, e)
