@@ -8,11 +8,16 @@ import fxpass.report
 DOC = Path(__file__).resolve().parents[2] / "docs" / "generation.md"
 
 
-def test_generation_doc_example_runs(monkeypatch):
+def test_generation_doc_example_runs():
     (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    # the example counts reports from a fresh process; start this one's list empty
-    monkeypatch.setattr(fxpass.report, "COMPILE_REPORTS", [])
-    import fxpass.backends.bpu.backend as backend
-
-    monkeypatch.setattr(backend, "REPORTS", fxpass.report.COMPILE_REPORTS)
-    exec(compile(block, str(DOC), "exec"), {})
+    # The example counts reports from a fresh process: empty this one's list for it, in
+    # place. (Swapping in a new list left the backend, when this test imported it first,
+    # appending to the swapped-in list after the swap was undone: later tests then saw
+    # compile_reports() empty.)
+    reports = fxpass.report.COMPILE_REPORTS
+    before = list(reports)
+    reports.clear()
+    try:
+        exec(compile(block, str(DOC), "exec"), {})
+    finally:
+        reports[:0] = before
