@@ -241,25 +241,13 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     run(new_tokens + 1)
     for (cls, attr, key), fn in zip(patched, real, strict=True):
         setattr(cls, attr, timed(key, fn))
-    rows = []
     try:
-        for _ in range(rounds):
-            out = {}
-            for n in (1, new_tokens + 1):
-                acc.update(entry=0.0, region=0.0, executor=0.0)
-                t0 = time.perf_counter()
-                run(n)
-                out[n] = (time.perf_counter() - t0, acc["entry"], acc["region"], acc["executor"])
-            one, full = out[1], out[new_tokens + 1]
-            rows.append([(b - a) / new_tokens for a, b in zip(one, full, strict=True)])
+        total, entry, region, execu = _per_token(
+            run, new_tokens, rounds, lambda: acc.update(entry=0.0, region=0.0, executor=0.0),
+            lambda wall: (wall, acc["entry"], acc["region"], acc["executor"]))
     finally:
         for (cls, attr, _), fn in zip(patched, real, strict=True):
             setattr(cls, attr, fn)
-
-    def med(i: int) -> float:
-        return statistics.median(r[i] for r in rows) * 1e3
-
-    total, entry, region, execu = med(0), med(1), med(2), med(3)
     warm, flushed = _outside_replayed(run, model, new_tokens, rounds)
     return {
         "step_ms": total,
@@ -304,25 +292,40 @@ def _outside_replayed(
             spent[0] += time.perf_counter() - t0
         return replay[id(self)]
 
+    def reset() -> None:
+        spent[0] = 0.0
+
     be.GuardedGraph.__call__ = replayed
     out = []
     try:
         run(2)  # records each graph's outputs once
         for flushing in (False, True):
             flush[0] = flushing
-            rows = []
-            for _ in range(rounds):
-                times = {}
-                for n in (1, new_tokens + 1):
-                    spent[0] = 0.0
-                    t0 = time.perf_counter()
-                    run(n)
-                    times[n] = time.perf_counter() - t0 - spent[0]
-                rows.append((times[new_tokens + 1] - times[1]) / new_tokens)
-            out.append(statistics.median(rows) * 1e3)
+            (ms,) = _per_token(run, new_tokens, rounds, reset, lambda wall: (wall - spent[0],))
+            out.append(ms)
     finally:
         be.GuardedGraph.__call__ = real
     return out[0], out[1]
+
+
+def _per_token(
+    run: Callable[[int], Any], new_tokens: int, rounds: int, reset: Callable[[], None],
+    reading: Callable[[float], tuple[float, ...]],
+) -> list[float]:
+    """Ms per decode token of each figure ``reading`` makes from a ``generate()`` call's wall
+    time (and whatever ``reset`` cleared before it): (figure at 1 + N new tokens - figure at 1)
+    / N, the median over ``rounds``."""
+    rows = []
+    for _ in range(rounds):
+        out = {}
+        for n in (1, new_tokens + 1):
+            reset()
+            t0 = time.perf_counter()
+            run(n)
+            out[n] = reading(time.perf_counter() - t0)
+        rows.append([(b - a) / new_tokens
+                     for a, b in zip(out[1], out[new_tokens + 1], strict=True)])
+    return [statistics.median(r[i] for r in rows) * 1e3 for i in range(len(rows[0]))]
 
 
 def _first_child(name: str, backend: str, new_tokens: int) -> None:

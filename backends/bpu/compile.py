@@ -186,8 +186,7 @@ def _compile_ort(
     if tiered and prepack_helps(proto, rows) and tier_pays(weights, buffers):
         fusions: dict[str, int] = {}
         if fuse:
-            proto, fusions = fuse_for_ort(proto, weights)
-            weights = declared_weights(proto, weights)
+            proto, fusions, weights = _fused(proto, weights)
         first = in_place_model(proto, weights, buffers) if prepack_helps(proto, rows) else None
         if first is not None:
             data, shared, attrs = first
@@ -218,6 +217,15 @@ def _compile_ort(
                       None if fuse else {}, rows=rows)
 
 
+def _fused(
+    proto: onnx.ModelProto, weights: Weights
+) -> tuple[onnx.ModelProto, dict[str, int], Weights]:
+    """The host fusions, and the weights the fused model still declares (a fusion may drop
+    one, ``host.declared_weights``)."""
+    proto, fusions = fuse_for_ort(proto, weights)
+    return proto, fusions, declared_weights(proto, weights)
+
+
 def _build_ort(
     rg: RegionGraph, key: str, input_names: list[str], cache: ArtifactCache | None,
     threads: int | None, proto: onnx.ModelProto, weights: Weights,
@@ -245,8 +253,7 @@ def _build_ort(
             early = (pool.submit(write_weights_file, weights, os.path.join(tmp, "weights.bin"),
                                  checksum.update), checksum)
         if fuse:
-            proto, fusions = fuse_for_ort(proto, weights)
-            weights = declared_weights(proto, weights)
+            proto, fusions, weights = _fused(proto, weights)
         prepack = prepack_helps(proto, rows)
         if early is not None and not prepack:  # the fusions changed the GEMMs: not expected
             with contextlib.suppress(OSError):  # the write below reports a full disk
