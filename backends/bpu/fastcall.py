@@ -9,7 +9,8 @@ host work counts (``docs/generation.md``).
 
 A node is switched only when its binding is *proved* to reach the node's own overload: the
 binding runs once on fresh fake tensors of the node's input shapes under a dispatch mode that
-records the aten calls, and it must record exactly that overload, once (``prim`` metadata
+records the aten calls, and it must record exactly that overload, once, on the tensors passed
+in their argument order (``prim`` metadata
 queries such as ``prim.device``, which ``Tensor.copy_`` makes under a mode, aside).
 Anything else (no binding, a composite that decomposes, another overload chosen, no fake
 values) keeps the boxed call. Numerics are the kernel's either way.
@@ -38,8 +39,14 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func.namespace != "prim":  # metadata queries (prim.device) the mode itself causes
-            self.calls.append(func)
+            self.calls.append((func, _tensor_ids(args, kwargs)))
         return func(*args, **(kwargs or {}))
+
+
+def _tensor_ids(args: Any, kwargs: Any) -> list[int]:
+    """The tensors of a call, in argument order (keyword arguments sorted by name)."""
+    flat = tree_flatten((args, sorted((kwargs or {}).items())))[0]
+    return [id(v) for v in flat if isinstance(v, torch.Tensor)]
 
 
 def binding(op: torch._ops.OpOverload) -> Any:
@@ -79,7 +86,8 @@ def _proved(node: Node, fn: Any) -> bool:
                 fn(*args, **kwargs)
     except Exception:  # noqa: BLE001 - any failure means "not proved": keep the boxed call
         return False
-    return rec.calls == [node.target]
+    # the node's overload, once, on the very tensors passed, in the same argument order
+    return rec.calls == [(node.target, _tensor_ids(args, kwargs))]
 
 
 def fast_calls(gm: GraphModule, recompile: bool = True) -> int:

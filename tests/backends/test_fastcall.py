@@ -117,3 +117,12 @@ def test_a_plan_keeps_the_switch_and_its_overload():
     for r, g in zip(_host_step(*ref_in), back(*got_in), strict=True):
         assert torch.equal(r, g)
     assert all(torch.equal(r, g) for r, g in zip(ref_in, got_in, strict=True))
+
+
+def test_the_proof_checks_which_tensor_goes_where():
+    from fxpass.backends.bpu import fastcall
+
+    gm, node = _one_node(aten.sub.Tensor, (0, 1), [torch.ones(3), torch.ones(3)])
+    assert fastcall._proved(node, lambda a, b: torch.sub(a, b))
+    assert not fastcall._proved(node, lambda a, b: torch.sub(b, a))  # same overload, swapped
+    assert not fastcall._proved(node, lambda a, b: torch.sub(a, b) + 0)  # a second call
