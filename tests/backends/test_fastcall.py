@@ -126,3 +126,73 @@ def test_the_proof_checks_which_tensor_goes_where():
     assert fastcall._proved(node, lambda a, b: torch.sub(a, b))
     assert not fastcall._proved(node, lambda a, b: torch.sub(b, a))  # same overload, swapped
     assert not fastcall._proved(node, lambda a, b: torch.sub(a, b) + 0)  # a second call
+
+
+def _functional(f, *args):
+    """``f``'s graph as AOTAutograd hands it over: functional ops, then ``copy_`` write-backs."""
+    return make_fx(torch.func.functionalize(f, remove="mutations_and_views"),
+                   tracing_mode="fake")(*args)
+
+
+def _copies(gm):
+    return sum(n.target is aten.copy_.default for n in gm.graph.nodes)
+
+
+def _run_both(f, gm, make):
+    ref_in, got_in = make(), make()
+    ref, got = f(*ref_in), gm(*got_in)
+    assert torch.equal(ref, got)
+    assert all(torch.equal(r, g) and r.dtype == g.dtype
+               for r, g in zip(ref_in, got_in, strict=True))
+
+
+def test_a_counter_write_back_becomes_one_in_place_op():
+    from fxpass.backends.bpu.fastcall import inplace_writes
+
+    def step(counters, cache, x):
+        cache.index_copy_(0, counters[:1], x)  # written between the add and its write-back
+        counters.add_(1)
+        return cache * 2
+
+    def make():
+        return torch.tensor([2, 3]), torch.zeros(6, 4), torch.ones(1, 4)
+
+    gm = _functional(step, *make())
+    assert _copies(gm) == 2
+    assert inplace_writes(gm) == 1
+    gm.recompile()
+    assert _copies(gm) == 1 and any(n.target is aten.add_.Tensor for n in gm.graph.nodes)
+    _run_both(step, gm, make)
+
+
+def test_write_backs_that_are_not_the_same_in_place_op_stay():
+    from fxpass.backends.bpu.fastcall import inplace_writes
+
+    def promoted(c):  # add(int, 0.5) is float: the write-back truncates, add_ would refuse
+        c.copy_(c + 0.5)
+        return c + 0
+
+    def scan(c):  # not pointwise: cumsum_ in place is another computation order
+        c.copy_(c.cumsum(0))
+        return c + 0
+
+    def written(c, v):  # a view of c written between the add and its write-back
+        t = c + 1
+        c[0:1].copy_(v)
+        c.copy_(t)
+        return c + 0
+
+    for f, make in [
+        (promoted, lambda: (torch.tensor([2, 3]),)),
+        (scan, lambda: (torch.arange(4.0),)),
+    ]:
+        gm = _functional(f, *make())
+        assert inplace_writes(gm) == 0, f.__name__
+        _run_both(f, gm, make)
+
+    def make_w():
+        return torch.arange(4.0), torch.tensor([9.0])
+
+    gm = make_fx(written, tracing_mode="fake")(*make_w())  # not functionalized: the view write
+    assert inplace_writes(gm) == 0
+    _run_both(written, gm, make_w)
