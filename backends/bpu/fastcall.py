@@ -18,7 +18,6 @@ values) keeps the boxed call. Numerics are the kernel's either way.
 
 from __future__ import annotations
 
-from operator import getitem
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["ATEN", "binding", "fast_calls", "inplace_writes"]
+__all__ = ["ATEN", "binding", "fast_calls"]
 
 #: node meta key: the aten overload a switched node stands for (plans store it)
 ATEN = "fxpass_aten"
@@ -109,66 +108,4 @@ def fast_calls(gm: GraphModule, recompile: bool = True) -> int:
             changed += 1
     if changed and recompile:
         gm.recompile()
-    return changed
-
-
-def _may_write(node: Node, dst: Node) -> bool:
-    """Whether ``node`` may write ``dst`` (a graph input). An aten op writes only its mutable
-    arguments; another graph input is never ``dst``'s alias (AOTAutograd hands over mutated
-    inputs that alias others as one synthetic base). Anything else may write anything."""
-    if node.op in ("placeholder", "get_attr", "output"):
-        return False
-    if node.op == "call_function" and node.target is getitem:
-        return False
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return True
-    schema = node.target._schema
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-        if not (isinstance(v, Node) and v.op == "placeholder" and v is not dst):
-            return True
-    return False
-
-
-def inplace_writes(gm: GraphModule) -> int:
-    """``copy_(x, f(x, ...))`` -> ``f_(x, ...)`` for a pointwise ``f`` read only by that copy:
-    one call instead of two (HF's static cache advances a counter per layer this way: the
-    functionalized ``cumulative_length += 1``). Only where it is the same computation: ``f``
-    keeps ``x``'s shape and dtype (no broadcast, no promotion), ``x`` is a graph input, and no
-    node between ``f`` and the copy can write it (the in-place op runs where the copy was).
-    Returns how many changed; the caller recompiles."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    nodes = list(gm.graph.nodes)
-    gone: set[Node] = set()  # erased here (their arguments are cleared)
-    changed = 0
-    for c in nodes:
-        if c.op != "call_function" or c.target is not torch.ops.aten.copy_.default:
-            continue
-        if len(c.args) != 2 or c.kwargs.get("non_blocking"):
-            continue
-        dst, src = c.args
-        if not (isinstance(src, Node) and src.op == "call_function" and len(src.users) == 1
-                and isinstance(src.target, torch._ops.OpOverload) and src.args
-                and src.args[0] is dst and torch.Tag.pointwise in src.target.tags):
-            continue
-        packet = getattr(torch.ops.aten, src.target._schema.name.split("::")[1] + "_", None)
-        inplace = getattr(packet, src.target._overloadname, None) if packet else None
-        d, s = dst.meta.get("val"), src.meta.get("val")
-        if (inplace is None or not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor)
-                or d.shape != s.shape or d.dtype != s.dtype):
-            continue
-        if dst.op != "placeholder" or any(
-            _may_write(n, dst) for n in nodes[order[src] + 1:order[c]] if n not in gone
-        ):
-            continue
-        with gm.graph.inserting_before(c):
-            new = gm.graph.call_function(inplace, src.args, dict(src.kwargs))
-        new.meta.update(c.meta)
-        c.replace_all_uses_with(new)
-        gm.graph.erase_node(c)
-        gm.graph.erase_node(src)
-        gone.update((c, src))
-        changed += 1
     return changed
