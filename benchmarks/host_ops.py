@@ -1,19 +1,17 @@
-"""The CPU part of a decode step: direct bindings and merged write-backs against before.
+"""The CPU part of a decode step: torch's direct bindings against the boxed aten call.
 
     python -m benchmarks.host_ops [--model qwen3-4x512] [--rounds 400]
 
 What is timed: the spliced decode graph of ``generate()`` (static cache, fxpass_bpu) with its
 device region replaced by a replay of the region's real outputs, so only the nodes left on the
-CPU run (embedding, position arithmetic, rotary ``cos``/``sin``, the KV-cache writes). Three
-variants: as compiled (``direct``: ``fastcall.inplace_writes`` merged the write-backs,
-``fastcall.fast_calls`` switched the CPU nodes it proved equal to direct bindings); the same
-graph with every switched node pointed back at its aten overload (``boxed``); and a graph
-compiled without ``inplace_writes`` (``direct_without_inplace``, its own model instance with
-the same weights). They run back to back, order rotating, and each difference to ``direct``
-is reported as a median of paired calls, twice: on warm caches, and right after a
-weights-sized stream through the caches (a real decode step reads every weight between two
-of these calls, so the host code starts cold). The position counters the graphs advance are
-reset before every call, outside the timing.
+CPU run (embedding, position arithmetic, rotary ``cos``/``sin``, the KV-cache writes). Two
+copies of that graph: as compiled (``backends/bpu/fastcall.py`` switched the CPU nodes it
+proved equal to direct bindings) and with every switched node pointed back at its aten
+overload (the boxed call, as before). They run back to back, order alternating, and the
+per-call difference is reported as a median (``paired``), twice: on warm caches, and right
+after a weights-sized stream through the caches (a real decode step reads every weight
+between two of these calls, so the host code starts cold). The position counters the graph
+advances are reset before every call, outside the timing.
 
 Writes ``benchmarks/results/host_ops.{json,md}``.
 """
@@ -25,7 +23,6 @@ import copy
 import statistics
 import sys
 import time
-from operator import getitem
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,7 @@ import torch
 from torch.fx import GraphModule
 
 from benchmarks import harness
-from benchmarks.generate import MODELS, PROMPT, _build
+from benchmarks.generate import MODELS, PROMPT, _build, _compile_static
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,10 +45,9 @@ class _Replay(torch.nn.Module):
         return self.outs
 
 
-def _decode_graph(name: str, inplace: bool = True) -> tuple[GraphModule, tuple]:
+def _decode_graph(name: str) -> tuple[GraphModule, tuple]:
     """The spliced decode graph of a real ``generate()``, one step's inputs, and its region
-    replaced by a replay of that step's outputs (``inplace=False``: compiled without
-    ``fastcall.inplace_writes``; the artifact cache is off so the two never share a plan)."""
+    replaced by a replay of that step's outputs."""
     import fxpass.backends.bpu.backend as backend
     from fxpass.backends.bpu import settle
 
@@ -63,20 +59,13 @@ def _decode_graph(name: str, inplace: bool = True) -> tuple[GraphModule, tuple]:
         return real_finish(out, *a, **k)
 
     model, ids = _build(name)
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.max_cache_len = PROMPT + 16
-    model.forward = torch.compile(
-        model.forward, backend="fxpass_bpu", dynamic=False, options={"cache": False}
-    )
-    real_inplace = backend.inplace_writes
+    _compile_static(model, "fxpass_bpu", PROMPT + 16)
     backend._finish = keep
-    if not inplace:
-        backend.inplace_writes = lambda gm: 0
     try:
         with torch.no_grad():
             model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     finally:
-        backend._finish, backend.inplace_writes = real_finish, real_inplace
+        backend._finish = real_finish
     settle()
     gm = graphs[-1]
     box: dict[str, Any] = {}
@@ -122,57 +111,47 @@ def _boxed(gm: GraphModule) -> tuple[GraphModule, int]:
     return out, n
 
 
-def _cpu_nodes(gm: GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem)
-
-
 def measure(name: str, rounds: int) -> dict[str, Any]:
     fast, args = _decode_graph(name)
     boxed, switched = _boxed(fast)
-    two, args2 = _decode_graph(name, inplace=False)
-    variants = {"boxed": (boxed, args), "direct": (fast, args),
-                "direct_without_inplace": (two, args2)}
-    counters = [(t, t.clone()) for a in (args, args2) for t in a
-                if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() < 16]
+    cpu_nodes = sum(1 for n in fast.graph.nodes if n.op == "call_function"
+                    and n.target.__name__ != "getitem")
+    counters = [(t, t.clone()) for t in args if isinstance(t, torch.Tensor)
+                and not t.is_floating_point() and t.numel() < 16]
     stream = np.ones(sum(p.numel() for p in _build(name)[0].parameters()) // 2)
-    result: dict[str, Any] = {
-        "model": name, "cpu_nodes": _cpu_nodes(fast), "switched": switched,
-        "cpu_nodes_without_inplace": _cpu_nodes(two),
-    }
+    result: dict[str, Any] = {"model": name, "cpu_nodes": cpu_nodes, "switched": switched}
     with torch.no_grad():
         for kind in ("warm", "after_stream"):
-            t: dict[str, list[float]] = {k: [] for k in variants}
+            t: dict[str, list[float]] = {"boxed": [], "direct": []}
             for r in range(rounds):
-                order = list(variants.items())
-                for k, (m, a) in order[r % 3:] + order[:r % 3]:
+                order = (("boxed", boxed), ("direct", fast))
+                for k, m in order if r % 2 else order[::-1]:
                     for c, v in counters:
                         c.copy_(v)
                     if kind == "after_stream":
                         stream.sum()
                     t0 = time.perf_counter()
-                    m(*a)
+                    m(*args)
                     t[k].append((time.perf_counter() - t0) * 1e3)
-            result[kind] = {f"{k}_ms": statistics.median(v) for k, v in t.items()}
-            for k in ("boxed", "direct_without_inplace"):
-                result[kind][f"saving_vs_{k}_ms"] = statistics.median(
-                    b - d for b, d in zip(t[k], t["direct"], strict=True)
-                )
+            result[kind] = {
+                "boxed_ms": statistics.median(t["boxed"]),
+                "direct_ms": statistics.median(t["direct"]),
+                "paired_saving_ms": statistics.median(
+                    b - d for b, d in zip(t["boxed"], t["direct"], strict=True)
+                ),
+            }
     return result
 
 
 def to_markdown(r: dict[str, Any]) -> str:
     rows = [{"caches": k, **{c: round(v, 4) for c, v in r[k].items()}}
             for k in ("warm", "after_stream")]
-    cols = ["caches", *r["warm"]]
     return (
         f"# Host ops of one decode step ({r['model']})\n\n"
-        f"{r['cpu_nodes']} CPU nodes in the spliced decode graph ({r['cpu_nodes_without_inplace']}"
-        f" without `inplace_writes`), {r['switched']} switched to direct bindings "
-        "(`backends/bpu/fastcall.py`); region replayed. `boxed`: the same graph with every "
-        "switched node back on its aten overload; `direct_without_inplace`: compiled without "
-        "`inplace_writes`. Medians, ms per step; savings are medians of paired differences "
-        "against `direct` (the default).\n\n"
-        + harness.markdown_table(rows, cols)
+        f"{r['cpu_nodes']} CPU nodes in the spliced decode graph, {r['switched']} switched to "
+        "direct bindings (`backends/bpu/fastcall.py`); region replayed. Medians, ms per "
+        "step.\n\n"
+        + harness.markdown_table(rows, ["caches", "boxed_ms", "direct_ms", "paired_saving_ms"])
         + "\n"
     )
 
