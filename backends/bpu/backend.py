@@ -33,7 +33,6 @@ from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
 from fxpass.backends.bpu.cost import macs
-from fxpass.backends.bpu.fastcall import fast_calls
 from fxpass.backends.bpu.generation import warn_if_growing, warn_if_recompiling
 from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
@@ -575,7 +574,6 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         report.offloaded_macs += r.macs
     out = splice(gm, spliced) if spliced else gm
     out.graph.eliminate_dead_code()
-    fast_calls(out, recompile=False)  # the CPU ops left: direct bindings, where proved equal
     if pkey is not None and len(entries) == len(part.regions):  # no region fell back
         STATS["plan_stored"] += plan.store(cache, pkey, out, entries, plan.report_fields(report))
     out.recompile()

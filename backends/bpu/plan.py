@@ -42,10 +42,9 @@ from torch.fx import Graph, GraphModule, Node
 from fxpass import env
 from fxpass.backends.bpu.cache import host_cpu_fingerprint, tool_versions
 from fxpass.backends.bpu.digest import hasher, rule_identity, source_digest, tensor_digest
-from fxpass.backends.bpu.fastcall import ATEN, binding
 from fxpass.graph import FROZEN
 
-PLAN_VERSION = "3"  # 2: CPU nodes sunk before partitioning; inline fake-value fix; 3: fast:
+PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value fix
 #: The CPU remainder's constants a plan may hold. Under BF16 promotion the remainder holds an
 #: f32 copy of the embedding table (125 MiB for a 32000 x 1024 vocabulary), which a 64 MiB
 #: bound refused; reading it back is far cheaper than re-running the rules.
@@ -86,11 +85,6 @@ def resolve_target(s: str) -> Any:
         for part in qual.split("."):
             obj = getattr(obj, part)
         return obj
-    if kind == "fast":
-        fn = binding(resolve_target("op:" + rest))
-        if fn is None:
-            raise ValueError(f"no direct binding for {rest!r} in this torch")
-        return fn
     raise ValueError(f"unknown target kind in plan: {s!r}")
 
 
@@ -201,8 +195,7 @@ def encode(out: GraphModule, regions: list[dict[str, Any]], report: dict) -> tup
     nodes, consts, size = [], {}, 0
     for n in out.graph.nodes:
         if n.op == "call_function":
-            aten = n.meta.get(ATEN)  # a direct binding (fastcall) stores its overload
-            target: Any = _target(n.target) if aten is None else "fast" + _target(aten)[2:]
+            target: Any = _target(n.target)
         elif n.op == "call_module":
             if n.target not in by_module:
                 raise Unencodable(f"call_module {n.target}")
@@ -248,11 +241,8 @@ def decode(plan: dict, consts: bytes, calls: dict[str, torch.nn.Module]) -> Grap
         if op == "get_attr":
             root.register_buffer(target, tensors[target], persistent=False)
         elif op == "call_function":
-            aten = resolve_target("op:" + target[5:]) if target.startswith("fast:") else None
             target = resolve_target(target)
         env[name] = g.create_node(op, target, a, kw, name=name)
-        if op == "call_function" and aten is not None:
-            env[name].meta[ATEN] = aten
     return GraphModule(root, g)
 
 
