@@ -46,6 +46,13 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from fxpass.backends.bpu.onnx_match import (
+    add_initializer,
+    const_array,
+    producer_of,
+    static_shape,
+)
+
 OPSET = 23  # the first opset with Attention
 # |every score| <= sum|q| * sum|k| * max(1, |scale|) < _LIMIT: no score, partial sum or scaled
 # operand can overflow, whichever order a kernel multiplies and scales in
@@ -96,26 +103,10 @@ def probe(op: str, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
         return None
 
 
-def _shape(v: ir.Value | None) -> tuple[int, ...] | None:
-    if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
-        return None
-    return tuple(v.shape)
 
 
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    if v is None:
-        return None
-    t = v.const_value
-    if t is None and v.producer() is not None and v.producer().op_type == "Constant":
-        attr = v.producer().attributes.get("value")
-        t = attr.value if attr is not None else None
-    return None if t is None else t.numpy()
 
 
-def _op(v: ir.Value | None, *types: str) -> ir.Node | None:
-    """The producer of ``v`` if it is a default-domain node of one of ``types``."""
-    p = v.producer() if v is not None else None
-    return p if p is not None and p.domain == "" and p.op_type in types else None
 
 
 def _int_attr(node: ir.Node, name: str, default: int) -> int:
@@ -139,7 +130,7 @@ class _Match:
 
     def _match(self, softmax: ir.Node) -> bool:
         scores = softmax.inputs[0]
-        shape = _shape(scores)
+        shape = static_shape(scores)
         if shape is None or len(shape) != 4 or scores.dtype != ir.DataType.FLOAT:
             return False
         if 0 in shape:  # empty attention: nothing to gain, and no kernel contract to rely on
@@ -162,9 +153,9 @@ class _Match:
             return False
         if not (math.isfinite(self.scale) and self.scale > 0):
             return False  # the kernel refuses scale <= 0 and reads NaN as "not set"
-        k, v = _shape(self.k), _shape(self.v)
+        k, v = static_shape(self.k), static_shape(self.v)
         # k and v repeated alike (hand-written attention may repeat only one of them)
-        return k[:3] == v[:3] and _shape(self.q)[-1] == k[-1] and h % k[1] == 0
+        return k[:3] == v[:3] and static_shape(self.q)[-1] == k[-1] and h % k[1] == 0
 
     def _safe_tail(self, p: ir.Value, scores: ir.Value) -> ir.Value | None:
         """``Where(all(scores == -inf, -1, keepdim), 0, p)``: the rows with no key left."""
@@ -173,23 +164,23 @@ class _Match:
             return None
         where = users[0]
         cond, zeros = where.inputs[0], where.inputs[1]
-        cast = _op(cond, "Cast")
-        red = _op(cast.inputs[0], "ReduceMin") if cast else None
-        cast0 = _op(red.inputs[0], "Cast") if red else None
-        eq = _op(cast0.inputs[0], "Equal") if cast0 else None
+        cast = producer_of(cond, "Cast")
+        red = producer_of(cast.inputs[0], "ReduceMin") if cast else None
+        cast0 = producer_of(red.inputs[0], "Cast") if red else None
+        eq = producer_of(cast0.inputs[0], "Equal") if cast0 else None
         if eq is None or _int_attr(cast, "to", 0) != ir.DataType.BOOL.value:
             return None
-        if eq.inputs[0] is not scores or not _is(_const(eq.inputs[1]), -math.inf):
+        if eq.inputs[0] is not scores or not _is(const_array(eq.inputs[1]), -math.inf):
             return None
-        axes = _const(red.inputs[1]) if len(red.inputs) > 1 else None
+        axes = const_array(red.inputs[1]) if len(red.inputs) > 1 else None
         if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) not in (-1, 3):
             return None
         if _int_attr(red, "keepdims", 1) != 1:
             return None
-        expand = _op(zeros, "Expand")
-        if not _is(_const(expand.inputs[0] if expand else zeros), 0.0):
+        expand = producer_of(zeros, "Expand")
+        if not _is(const_array(expand.inputs[0] if expand else zeros), 0.0):
             return None
-        if _shape(where.outputs[0]) != _shape(scores):
+        if static_shape(where.outputs[0]) != static_shape(scores):
             return None
         for n in (eq, cast0, red, cast, expand, where):
             self.take(n)
@@ -204,7 +195,7 @@ class _Match:
         node = users[0]
         flat = None
         if node.op_type == "Reshape":
-            if _shape(node.outputs[0]) != (b * h, *shape[2:]):
+            if static_shape(node.outputs[0]) != (b * h, *shape[2:]):
                 return None
             flat = self.take(node)
             users = node.outputs[0].consumers()
@@ -216,8 +207,8 @@ class _Match:
         self.take(node)
         other, out = node.inputs[1], node.outputs[0]
         if flat is not None:
-            unflat = _op(other, "Reshape")
-            if unflat is None or len(_shape(unflat.inputs[0]) or ()) != 4:
+            unflat = producer_of(other, "Reshape")
+            if unflat is None or len(static_shape(unflat.inputs[0]) or ()) != 4:
                 return None
             self.take(unflat)
             other = unflat.inputs[0]
@@ -225,28 +216,28 @@ class _Match:
             if len(users) != 1 or users[0].op_type != "Reshape":
                 return None
             out = self.take(users[0]).outputs[0]
-            if _shape(out) != (b, h, shape[2], (_shape(other) or (0,))[-1]):
+            if static_shape(out) != (b, h, shape[2], (static_shape(other) or (0,))[-1]):
                 return None
         return out, other
 
     def _kv(self, rep: ir.Value, b: int, h: int, s_len: int) -> ir.Value | None:
         """The ``[B, Hk, S, D]`` tensor behind ``rep``: itself, or what its GQA repeat repeats."""
-        shape = _shape(rep)
+        shape = static_shape(rep)
         if shape is None or shape[:3] != (b, h, s_len) or rep.dtype != ir.DataType.FLOAT:
             return None
-        merge = _op(rep, "Reshape")
-        expand = _op(merge.inputs[0], "Expand") if merge else None
-        unsq = _op(expand.inputs[0], "Reshape", "Unsqueeze") if expand else None
+        merge = producer_of(rep, "Reshape")
+        expand = producer_of(merge.inputs[0], "Expand") if merge else None
+        unsq = producer_of(expand.inputs[0], "Reshape", "Unsqueeze") if expand else None
         if unsq is None:
             return rep
         src = unsq.inputs[0]
-        hk = (_shape(src) or (0, 0))[1]
+        hk = (static_shape(src) or (0, 0))[1]
         d = shape[3]
-        if _shape(src) != (b, hk, s_len, d) or hk == 0 or h % hk:
+        if static_shape(src) != (b, hk, s_len, d) or hk == 0 or h % hk:
             return rep
-        if _shape(unsq.outputs[0]) != (b, hk, 1, s_len, d):
+        if static_shape(unsq.outputs[0]) != (b, hk, 1, s_len, d):
             return rep
-        if _shape(expand.outputs[0]) != (b, hk, h // hk, s_len, d):
+        if static_shape(expand.outputs[0]) != (b, hk, h // hk, s_len, d):
             return rep
         for n in (unsq, expand, merge):
             self.take(n)
@@ -256,57 +247,59 @@ class _Match:
         """scores = q @ k^T * scale, then at most one mask step."""
         self.mask, self.negate = None, False
         x = scores
-        add = _op(x, "Add")
-        fill = _op(x, "Where")
+        add = producer_of(x, "Add")
+        fill = producer_of(x, "Where")
         if add is not None:
             scaled, mask = add.inputs
-            if _op(mask, "Mul") and not _op(scaled, "Mul"):
+            if producer_of(mask, "Mul") and not producer_of(scaled, "Mul"):
                 scaled, mask = mask, scaled
-            if _shape(mask) is None or len(mask.shape) > 4 or mask.dtype != ir.DataType.FLOAT:
+            if static_shape(mask) is None or len(mask.shape) > 4 or mask.dtype != ir.DataType.FLOAT:
                 return False
             self.mask, x = mask, scaled
             self.take(add)
         elif fill is not None:
             cond, minus_inf, x = fill.inputs
-            if not _is(_const(minus_inf), -math.inf) or len(_shape(cond) or (0,) * 5) > 4:
+            if (not _is(const_array(minus_inf), -math.inf)
+                    or len(static_shape(cond) or (0,) * 5) > 4):
                 return False
             self.mask, self.negate = cond, True
             self.take(fill)
-        mul = _op(x, "Mul")
+        mul = producer_of(x, "Mul")
         if mul is None:
             return False
         qk, scale = mul.inputs
-        s = _const(scale)
+        s = const_array(scale)
         if s is None:
             qk, scale = scale, qk
-            s = _const(scale)
+            s = const_array(scale)
         if s is None or s.size != 1:
             return False
         self.scale = float(s.reshape(-1)[0])
         self.take(mul)
         # qk: [B, H, L, S] = q @ k^T, maybe through [B*H, ...] reshapes
-        node = _op(qk, "Reshape")
-        if node is not None and _shape(node.inputs[0]) == (b * h, q_len, s_len):
+        node = producer_of(qk, "Reshape")
+        if node is not None and static_shape(node.inputs[0]) == (b * h, q_len, s_len):
             self.take(node)
-            mm = _op(node.inputs[0], "MatMul")
-            q_flat = _op(mm.inputs[0], "Reshape") if mm else None
-            kt_flat = _op(mm.inputs[1], "Reshape") if mm else None
+            mm = producer_of(node.inputs[0], "MatMul")
+            q_flat = producer_of(mm.inputs[0], "Reshape") if mm else None
+            kt_flat = producer_of(mm.inputs[1], "Reshape") if mm else None
             if q_flat is None or kt_flat is None:
                 return False
             q, kt = q_flat.inputs[0], kt_flat.inputs[0]
             for n in (mm, q_flat, kt_flat):
                 self.take(n)
         else:
-            mm = _op(qk, "MatMul")
+            mm = producer_of(qk, "MatMul")
             if mm is None:
                 return False
             q, kt = mm.inputs
             self.take(mm)
-        tr = _op(kt, "Transpose")
+        tr = producer_of(kt, "Transpose")
         if tr is None or list(tr.attributes["perm"].value) != [0, 1, 3, 2]:
             return False
         self.take(tr)
-        if _shape(q) is None or _shape(q)[:3] != (b, h, q_len) or q.dtype != ir.DataType.FLOAT:
+        qs = static_shape(q)
+        if qs is None or qs[:3] != (b, h, q_len) or q.dtype != ir.DataType.FLOAT:
             return False
         self.q = q
         self.k = self._kv(tr.inputs[0], b, h, s_len)
@@ -331,7 +324,7 @@ class _Match:
         name = self.out.name
         fused = self._fused(graph)
         def const(tag: str, value: float) -> ir.Value:
-            return _initializer(graph, f"{name}/{tag}", np.array(value, np.float32))
+            return add_initializer(graph, f"{name}/{tag}", np.array(value, np.float32))
 
         def node(op: str, *inputs: ir.Value, **attrs: int) -> ir.Value:
             n = ir.Node("", op, inputs, [ir.AttrInt64(k, v) for k, v in attrs.items()])
@@ -370,7 +363,9 @@ class _Match:
             dims = [1] * (4 - len(mask.shape)) + list(mask.shape)  # a causal [L, S], say
             full = [*dims[:2], self.q.shape[2], self.k.shape[2]]
             if list(mask.shape) != full:  # Expand broadcasts the rank too
-                shape = _initializer(graph, f"{self.out.name}/mask_shape", np.array(full, np.int64))
+                shape = add_initializer(
+                    graph, f"{self.out.name}/mask_shape", np.array(full, np.int64)
+                )
                 new.append(ir.Node("", "Expand", [mask, shape]))
                 mask = new[-1].outputs[0]
                 mask.name = f"{self.out.name}/mask_expanded"
@@ -387,11 +382,6 @@ class _Match:
         return ir.Graph((), [out], nodes=new, name=f"{self.out.name}/fused")
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    v = ir.Value(name=name)
-    v.const_value = ir.tensor(array)
-    graph.register_initializer(v)
-    return v
 
 
 def _is(a: np.ndarray | None, value: float) -> bool:

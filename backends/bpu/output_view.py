@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxpass.backends.bpu.attention import _op, _shape
+from fxpass.backends.bpu.onnx_match import producer_of, static_shape
 
 
 def output_views(model: Any) -> int:
@@ -26,9 +26,9 @@ def output_views(model: Any) -> int:
     graph = model.graph
     done = 0
     for k, out in enumerate(list(graph.outputs)):
-        node = _op(out, "Identity", "Reshape")
+        node = producer_of(out, "Identity", "Reshape")
         while node is not None and node.op_type == "Identity":  # how the lowering names outputs
-            node = _op(node.inputs[0], "Identity", "Reshape")
+            node = producer_of(node.inputs[0], "Identity", "Reshape")
         if node is None or node.op_type != "Reshape":
             continue
         data = node.inputs[0]
@@ -39,7 +39,7 @@ def output_views(model: Any) -> int:
         if any(u.op_type == "Identity" and u.outputs[0].is_graph_output()
                for u in data.consumers()):
             continue  # also an output as it is: two outputs would become one buffer
-        if _shape(out) is None:
+        if static_shape(out) is None:
             continue  # RegionCall views it back to the compiled shape: it must be static
         name = out.name
         out.name = f"{name}_view"

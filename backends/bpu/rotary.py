@@ -37,8 +37,9 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from fxpass.backends.bpu.attention import _const, _initializer, _op, _shape, probe
+from fxpass.backends.bpu.attention import probe
 from fxpass.backends.bpu.lowering.driver import Weights
+from fxpass.backends.bpu.onnx_match import add_initializer, const_array, producer_of, static_shape
 
 OPSET = 23  # the first opset with RotaryEmbedding
 
@@ -57,7 +58,7 @@ def fuse_rotary(model: ir.Model, weights: Weights | None = None) -> int:
         if m is None:
             continue
         x, (cos, cos_chain), (sin, sin_chain), nodes = m
-        b, _, length, d = _shape(x)
+        b, _, length, d = static_shape(x)
         half = [_table(graph, add, v, chain, (b, length, d // 2), tables)
                 for v, chain in ((cos, cos_chain), (sin, sin_chain))]
         rot = ir.Node("", "RotaryEmbedding", [x, *half])
@@ -90,22 +91,22 @@ def kernel_available() -> bool:
 def _match(add: ir.Node, folded: _Halves) -> tuple | None:
     """(x, (cos, chain), (sin, chain), the matched nodes) or None."""
     for mul_x, mul_r in (add.inputs, add.inputs[::-1]):
-        mx, mr = _op(mul_x, "Mul"), _op(mul_r, "Mul")
+        mx, mr = producer_of(mul_x, "Mul"), producer_of(mul_r, "Mul")
         if mx is None or mr is None:
             continue
         for rotated, sin in (mr.inputs, mr.inputs[::-1]):
-            cat = _op(rotated, "Concat")
+            cat = producer_of(rotated, "Concat")
             halves = _rotate_half(cat) if cat is not None else None
             if halves is None:
                 continue
             x, slices, neg = halves
             cos = mx.inputs[1] if mx.inputs[0] is x else mx.inputs[0] if mx.inputs[1] is x else None
-            shape = _shape(x)
+            shape = static_shape(x)
             if cos is None or shape is None or len(shape) != 4 or x.dtype != ir.DataType.FLOAT:
                 continue
             b, _, length, d = shape
             tables = [_half_table(t, (b, 1, length, d), folded) for t in (cos, sin)]
-            if None in tables or _shape(add.outputs[0]) != shape:
+            if None in tables or static_shape(add.outputs[0]) != shape:
                 continue
             nodes = [add, mx, mr, cat, neg, *slices]
             inside = {id(n) for n in nodes}
@@ -122,13 +123,13 @@ def _rotate_half(cat: ir.Node) -> tuple | None:
     """``Concat(Neg(x[..., D/2:]), x[..., :D/2], axis=-1)``: (x, the two Slices, the Neg)."""
     if len(cat.inputs) != 2 or cat.attributes.get("axis") is None:
         return None
-    neg = _op(cat.inputs[0], "Neg")
-    second = _op(neg.inputs[0], "Slice") if neg else None
-    first = _op(cat.inputs[1], "Slice")
+    neg = producer_of(cat.inputs[0], "Neg")
+    second = producer_of(neg.inputs[0], "Slice") if neg else None
+    first = producer_of(cat.inputs[1], "Slice")
     if second is None or first is None or second.inputs[0] is not first.inputs[0]:
         return None
     x = first.inputs[0]
-    shape = _shape(x)
+    shape = static_shape(x)
     if shape is None or len(shape) != 4 or shape[-1] % 2:
         return None
     if cat.attributes["axis"].value not in (-1, 3):
@@ -141,7 +142,7 @@ def _rotate_half(cat: ir.Node) -> tuple | None:
 
 def _slice(node: ir.Node, d: int) -> tuple[int, int] | None:
     """(start, end) of a step-1 Slice of the last axis of length ``d``, clamped; else None."""
-    args = [_const(v) if v is not None else None for v in node.inputs[1:]]
+    args = [const_array(v) if v is not None else None for v in node.inputs[1:]]
     if len(args) < 3 or any(a is None or a.size != 1 for a in args[:3]):
         return None
     if len(args) > 3 and (args[3] is None or int(args[3].reshape(-1)[0]) != 1):
@@ -159,25 +160,26 @@ def _half_table(
     """``t`` ([B, 1, L, D]) as (c, the one-element Muls between) when ``t`` is ``Concat(c, c)``
     on its last axis, or a folded constant whose two halves are equal (``_Halves``), seen
     through those Muls and Reshapes keeping the last axis."""
-    if _shape(t) != want:
+    if static_shape(t) != want:
         return None
     d, chain = want[-1], []
     while True:
         node = t.producer()
-        if node is None and _shape(t) is not None and _shape(t)[-1] == d:
+        if node is None and static_shape(t) is not None and static_shape(t)[-1] == d:
             c = folded(t)
-            if c is None or 2 * int(np.prod(_shape(c))) != int(np.prod(want)):
+            if c is None or 2 * int(np.prod(static_shape(c))) != int(np.prod(want)):
                 return None
             return c, chain[::-1]
-        if node is None or node.domain != "" or _shape(t) is None or _shape(t)[-1] != d:
+        if node is None or node.domain != "" or static_shape(t) is None or static_shape(t)[-1] != d:
             return None
-        if node.op_type == "Reshape" and (_shape(node.inputs[0]) or (0,))[-1] == d:
+        if node.op_type == "Reshape" and (static_shape(node.inputs[0]) or (0,))[-1] == d:
             t = node.inputs[0]
         elif node.op_type == "Mul":
             a, k = node.inputs
-            if _const(k) is None:
+            if const_array(k) is None:
                 a, k = k, a
-            if _const(k) is None or _const(k).size != 1 or _shape(a) != _shape(t) \
+            kv = const_array(k)
+            if kv is None or kv.size != 1 or static_shape(a) != static_shape(t) \
                     or k.dtype != ir.DataType.FLOAT:
                 return None
             chain.append(k)
@@ -186,9 +188,9 @@ def _half_table(
             c = node.inputs[0]
             if len(node.inputs) != 2 or node.inputs[1] is not c or c.dtype != ir.DataType.FLOAT:
                 return None
-            if node.attributes["axis"].value not in (-1, len(_shape(t)) - 1):
+            if node.attributes["axis"].value not in (-1, len(static_shape(t)) - 1):
                 return None
-            if _shape(c) is None or 2 * int(np.prod(_shape(c))) != int(np.prod(want)):
+            if static_shape(c) is None or 2 * int(np.prod(static_shape(c))) != int(np.prod(want)):
                 return None
             return c, chain[::-1]
         else:
@@ -220,13 +222,13 @@ class _Halves:
             return None
         a = np.asarray(w[2]())
         d = a.shape[-1] if a.ndim else 0
-        if a.dtype != np.float32 or tuple(a.shape) != _shape(t) or d % 2 or d == 0:
+        if a.dtype != np.float32 or tuple(a.shape) != static_shape(t) or d % 2 or d == 0:
             return None
         bits = a.view(np.uint32)
         if not np.array_equal(bits[..., : d // 2], bits[..., d // 2:]):
             return None
         half = np.ascontiguousarray(a[..., : d // 2])
-        v = _initializer(self.graph, f"{t.name}/rotary_half", half)
+        v = add_initializer(self.graph, f"{t.name}/rotary_half", half)
         v.shape, v.type = ir.Shape(v.const_value.shape), ir.TensorType(ir.DataType.FLOAT)
         return v
 
@@ -241,7 +243,7 @@ def _table(graph: ir.Graph, before: ir.Node, c: ir.Value, chain: list[ir.Value],
     for k in chain:
         new.append(ir.Node("", "Mul", [v, k]))
         v = new[-1].outputs[0]
-    dims = _initializer(graph, f"{c.name}/rotary_table_shape{len(tables)}",
+    dims = add_initializer(graph, f"{c.name}/rotary_table_shape{len(tables)}",
                         np.array(shape, np.int64))
     new.append(ir.Node("", "Reshape", [v, dims]))
     for i, n in enumerate(new):
