@@ -72,11 +72,15 @@ def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], An
     return _hf_generate(model, ids), model
 
 
-def _compile_static(model: Any, backend: str, max_len: int) -> None:
-    """A static cache of ``max_len`` and ``model.forward`` compiled with ``dynamic=False``."""
+def _compile_static(
+    model: Any, backend: str, max_len: int, options: dict[str, Any] | None = None
+) -> None:
+    """A static cache of ``max_len`` and ``model.forward`` compiled with ``dynamic=False``;
+    ``options`` go to ``torch.compile`` (fxpass_bpu always gets a dict)."""
     model.generation_config.cache_implementation = "static"
     model.generation_config.max_cache_len = max_len
-    opts = {"options": {}} if backend == "fxpass_bpu" else {}
+    use = backend == "fxpass_bpu" or options
+    opts = {"options": dict(options or {})} if use else {}
     model.forward = torch.compile(model.forward, backend=backend, dynamic=False, **opts)
 
 
