@@ -384,6 +384,7 @@ class GuardedGraph:
         - parameters were written in place: compiled again with a warning, at most
           ``MAX_REBUILDS`` times per set of tensors (each layer of a graph-broken model
           counts on its own), then the graph runs eagerly."""
+        self._check_traced_metadata(args)
         sig = tuple(self._entry(i, args[i]) for i, *_ in self.guard)
         hit = self.variants.pop(sig, None)
         if hit is not None:  # weights compiled for before (another instance of the model)
@@ -425,6 +426,33 @@ class GuardedGraph:
             stacklevel=3,
         )
         return self._rebuild(args)
+
+    def _check_traced_metadata(self, args: tuple) -> None:
+        """Raise if a weight's dtype or shape is not the one this graph was traced for.
+
+        Why: Dynamo's tensor guards recompile before such a call ever reaches the backend,
+        unless they were filtered out (``options={"guard_filter_fn": ...}``, e.g.
+        ``torch.compiler.skip_guard_on_all_nn_modules_unsafe``) or skipped
+        (``set_stance(skip_guard_eval_unsafe=True)``). Rebuilding the traced graph over a
+        ``model.double()`` then failed deep in a region with "expected scalar type Double"
+        (found by a probe). No compiled or eager answer from this graph is right for it, so
+        it is an error naming the cause and the fix."""
+        phs = self.pristine.graph.find_nodes(op="placeholder")
+        for k, *_ in self.guard:
+            traced, t = phs[k].meta.get("val"), args[k]
+            if not isinstance(traced, torch.Tensor) or not is_static(traced):
+                continue
+            if t.dtype != traced.dtype or tuple(t.shape) != tuple(traced.shape):
+                raise RuntimeError(
+                    f"fxpass_bpu: weight {self._names([k])} is now {t.dtype} "
+                    f"{tuple(t.shape)}, but this graph was traced for {traced.dtype} "
+                    f"{tuple(traced.shape)}, and Dynamo did not recompile: its guards on the "
+                    "model were filtered out (a guard_filter_fn such as "
+                    "torch.compiler.skip_guard_on_all_nn_modules_unsafe) or skipped "
+                    "(torch.compiler.set_stance(skip_guard_eval_unsafe=True)). Fix: compile "
+                    "again after changing the model's dtype or shapes, or keep Dynamo's "
+                    "guards on it"
+                )
 
     def _names(self, idx: list[int]) -> str:
         phs = self.pristine.graph.find_nodes(op="placeholder")
