@@ -37,7 +37,7 @@ from fxpass.backends.bpu.generation import warn_if_growing, warn_if_recompiling
 from fxpass.backends.bpu.partition import partition
 from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
-from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
+from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning, TorchThreads
 from fxpass.graph import FROZEN, FROZEN_BUFFER, is_static
 from fxpass.passmanager import ContractError, FixpointError, PassManager
 from fxpass.plugins import select_rules
@@ -89,6 +89,12 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "only": ((list, tuple), "run exactly these rules (instead of the bpu target's)"),
     "check": (bool, "run rule contract checks while compiling"),
     "threads": ((int, type(None)), "onnxruntime intra-op threads"),
+    "cpu_threads": (
+        (int, type(None)),
+        "threads for the graph's own torch (CPU) ops; default None: one when the graph has "
+        "host regions and its CPU share of MACs is light (torch's OpenMP workers would "
+        "otherwise spin through the regions on onnxruntime's cores), else torch's setting",
+    ),
     "host_fusions": (bool, "onnxscript's onnxruntime fusions on host regions (default True)"),
     "tiered": (
         bool,
@@ -157,6 +163,12 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise TypeError(
             f"fxpass_bpu option 'threads' must be between 1 and this machine's "
             f"{os.cpu_count()} CPUs, got {th}; leave it unset to let onnxruntime choose"
+        )
+    cth = opts.get("cpu_threads")
+    if cth is not None and not 1 <= cth <= (os.cpu_count() or 1):
+        raise TypeError(
+            f"fxpass_bpu option 'cpu_threads' must be between 1 and this machine's "
+            f"{os.cpu_count()} CPUs, got {cth}; leave it unset to let fxpass choose"
         )
     if opts.get("min_compute_macs") is not None and opts["min_compute_macs"] < 0:
         raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
@@ -555,7 +567,7 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
         )
         if out is not None:
             STATS["plan_hit"] += 1
-            return _finish(out, report, t0, min_macs), report
+            return _finish(out, report, t0, min_macs, opts), report
         STATS["plan_miss"] += 1
     STATS["rules"] += 1
     rr = PassManager(rules, check=opts["check"]).run(gm, recompile=False)
@@ -605,10 +617,31 @@ def compile_graph(gm: GraphModule, opts: dict[str, Any]) -> tuple[Callable, Grap
     if pkey is not None and len(entries) == len(part.regions):  # no region fell back
         STATS["plan_stored"] += plan.store(cache, pkey, out, entries, plan.report_fields(report))
     out.recompile()
-    return _finish(out, report, t0, min_macs), report
+    return _finish(out, report, t0, min_macs, opts), report
 
 
-def _finish(out: GraphModule, report: GraphReport, t0: float, min_macs: int) -> GraphModule:
+#: a graph whose CPU ops hold at most this share of its MACs runs them on one torch thread
+CPU_LIGHT_SHARE = 0.05
+
+
+def _cpu_threads(report: GraphReport, opts: dict[str, Any]) -> int | None:
+    """Threads for the graph's torch ops (``runtime.TorchThreads``), or None for torch's own
+    setting: the option when set; else one when some region runs on onnxruntime and the CPU's
+    share of the graph's MACs is light (an embedding and index arithmetic are no MACs)."""
+    if opts.get("cpu_threads") is not None:
+        return opts["cpu_threads"]
+    host = any(r.executor == "onnxruntime" and r.fallback is None for r in report.regions)
+    cpu_macs = report.macs - report.offloaded_macs
+    return 1 if host and cpu_macs <= CPU_LIGHT_SHARE * report.macs else None
+
+
+def _finish(
+    out: GraphModule, report: GraphReport, t0: float, min_macs: int, opts: dict[str, Any]
+) -> Callable:
+    threads = _cpu_threads(report, opts)
+    if threads is not None:
+        report.notes.append(f"the graph's torch ops run on {threads} thread(s) (cpu_threads)")
+        out = TorchThreads(out, threads)
     report.compile_seconds = time.perf_counter() - t0
     if (report.macs >= max(min_macs, 1)
             and not report.offloaded_macs and report.cpu_reasons):

@@ -297,6 +297,33 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
 
 
+class TorchThreads:
+    """Runs a spliced graph with torch's own CPU ops on ``n`` threads, then restores the
+    caller's count.
+
+    Why: after every parallel torch op, torch's OpenMP workers keep spinning for milliseconds
+    (libgomp's default wait policy), and onnxruntime's workers run on the same cores, so a
+    host region started right after one ran a core short. Qwen3 4 x 1024, 128 tokens
+    (``benchmarks.forward_split``): the region alone 62.6 ms; inside the compiled call, after
+    the embedding, 7.4 ms more; 0.9 ms more with torch's ops on one thread. The backend uses
+    this only for graphs whose torch ops are light (an embedding, index arithmetic), which lose
+    nothing on one thread. ``torch.set_num_threads`` is a few hundred ns each way."""
+
+    def __init__(self, graph: Callable[..., Any], n: int):
+        self.graph = graph
+        self.n = n
+
+    def __call__(self, *args: Any) -> Any:
+        prev = torch.get_num_threads()
+        if prev == self.n:
+            return self.graph(*args)
+        torch.set_num_threads(self.n)
+        try:
+            return self.graph(*args)
+        finally:
+            torch.set_num_threads(prev)
+
+
 class RegionCall(torch.nn.Module):
     """One spliced region: runs the executor; on failure, the region's eager graph."""
 
