@@ -109,7 +109,9 @@ def compile_for_generate(
         )
     from fxpass.backends.bpu.backend import validate_options
 
-    validate_options(options)  # here, not wrapped in Dynamo's error at the first generate()
+    # here, not wrapped in Dynamo's error at the first generate(); torch.compile takes its own
+    # key (guard_filter_fn) out of the options before the backend sees them
+    validate_options({k: v for k, v in (options or {}).items() if k not in TORCH_OPTIONS})
     cfg.cache_implementation = "static"
     cfg.max_cache_len = max_cache_len
     # called again (another max_cache_len or options): compile the model's own forward
@@ -120,6 +122,9 @@ def compile_for_generate(
     model.forward = _step_counters_symbolic(compiled, forward)
     return model
 
+
+#: keys of torch.compile's ``options`` that torch itself consumes (not the backend's)
+TORCH_OPTIONS = ("guard_filter_fn",)
 
 #: the attribute of a ``compile_for_generate`` forward that holds the model's own forward
 UNCOMPILED = "_fxpass_uncompiled"

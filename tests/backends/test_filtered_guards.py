@@ -77,3 +77,30 @@ def test_without_a_filter_dynamo_recompiles_on_a_dtype_change(opts):
         c(x)
         m.double()
         torch.testing.assert_close(c(x), m(x), rtol=1e-9, atol=1e-9)
+
+
+def test_compile_for_generate_passes_a_guard_filter_to_torch(opts):
+    """torch.compile takes guard_filter_fn out of the options; compile_for_generate validated
+    it as an unknown backend option. With the filter the weight guard still sees a replaced
+    weight, so the tokens follow eager's with the new weight."""
+    from fxpass.backends.bpu import compile_for_generate, zoo
+
+    model, kw = zoo.get("qwen3", layers=2, tokens=8)
+    ids = kw["input_ids"]
+
+    def generate():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                  cache_implementation="static")
+
+    expected = generate()
+    compile_for_generate(model, max_cache_len=32, options={**opts, "guard_filter_fn": FILTER})
+    assert torch.equal(generate(), expected)
+    up = model.model.layers[0].mlp.up_proj
+    up.weight = torch.nn.Parameter(torch.randn_like(up.weight))
+    compiled = model.forward
+    model.forward = compiled._fxpass_uncompiled
+    expected = generate()  # eager, with the new weight
+    model.forward = compiled
+    assert torch.equal(generate(), expected)  # rebuilt for the new weight, not stale
