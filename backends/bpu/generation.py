@@ -91,16 +91,22 @@ def warn_if_growing(gm: GraphModule) -> str | None:
 
 
 def compile_for_generate(
-    model: Any, *, max_cache_len: int, options: dict[str, Any] | None = None
+    model: Any, *, max_cache_len: int, options: dict[str, Any] | None = None,
+    loop_threads: int | None = 1,
 ) -> Any:
     """Configure ``model`` for static-cache generation and compile its forward with fxpass_bpu.
 
     ``max_cache_len`` fixes the cache buffer (prompt plus new tokens, at most): every
-    ``generate()`` call that fits reuses the same decode graph. Returns ``model``.
+    ``generate()`` call that fits reuses the same decode graph. ``loop_threads``: torch's
+    thread count for HF's loop between two steps of ``generate()`` (None: the caller's); see
+    :func:`_loop_on_threads`. Returns ``model``.
     """
     if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or (
             max_cache_len <= 0):
         raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    if loop_threads is not None and (isinstance(loop_threads, bool) or not isinstance(
+            loop_threads, int) or loop_threads < 1):
+        raise ValueError(f"loop_threads must be a positive int or None, got {loop_threads!r}")
     cfg = getattr(model, "generation_config", None)
     if cfg is None:
         raise TypeError(
@@ -119,7 +125,10 @@ def compile_for_generate(
     forward = getattr(model.forward, UNCOMPILED, None) or model.forward
     forward = getattr(forward, "_torchdynamo_orig_callable", forward)  # torch.compile'd by hand
     compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False, options=options or {})
-    model.forward = _step_counters_symbolic(compiled, forward)
+    loop = _LoopThreads(loop_threads)
+    model.forward = _step_counters_symbolic(compiled, forward, loop)
+    generate = getattr(model.generate, UNCOMPILED, None) or model.generate
+    model.generate = _loop_on_threads(generate, loop)
     return model
 
 
@@ -130,7 +139,44 @@ TORCH_OPTIONS = ("guard_filter_fn",)
 UNCOMPILED = "_fxpass_uncompiled"
 
 
-def _step_counters_symbolic(compiled: Callable, original: Callable) -> Callable:
+class _LoopThreads:
+    """Torch's thread count for HF's generation loop between two forward calls.
+
+    Why: HF's loop works on the logits between steps (a float32 copy, argmax, the logits
+    processors). Over a real vocabulary (151,936 words) those ops are parallel, and torch's
+    OpenMP workers then spin for milliseconds on the cores the next step's onnxruntime region
+    needs. Qwen3 4x512 with that vocabulary: 20.2 ms per token, 13.6 with torch on one thread
+    (``benchmarks.loop_threads``). ``caller`` is the caller's count while a ``generate()``
+    call is running, else None: forward calls outside ``generate()`` change nothing."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+        self.caller: int | None = None
+
+
+def _loop_on_threads(generate: Callable, loop: _LoopThreads) -> Callable:
+    """``generate`` that runs HF's loop on ``loop.threads`` torch threads (between the model's
+    forward calls, which get the caller's count back) and restores the caller's count when it
+    returns or raises."""
+
+    @functools.wraps(generate, updated=())
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if loop.threads is None or loop.caller is not None:  # off, or nested in a generate()
+            return generate(*args, **kwargs)
+        loop.caller = torch.get_num_threads()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            torch.set_num_threads(loop.caller)
+            loop.caller = None
+
+    setattr(wrapper, UNCOMPILED, generate)
+    return wrapper
+
+
+def _step_counters_symbolic(
+    compiled: Callable, original: Callable, loop: _LoopThreads | None = None
+) -> Callable:
     """``compiled`` (of ``original``) with HF's per-token cache counters traced as symbolic
     ints.
 
@@ -145,10 +191,15 @@ def _step_counters_symbolic(compiled: Callable, original: Callable) -> Callable:
     def forward(*args: Any, **kwargs: Any) -> Any:
         old = config.dynamic_sources
         config.dynamic_sources = f"{old},{STEP_COUNTERS}" if old else STEP_COUNTERS
+        caller = loop.caller if loop is not None else None
+        if caller is not None:  # inside generate(): the step gets the caller's threads
+            torch.set_num_threads(caller)
         try:
             return compiled(*args, **kwargs)
         finally:
             config.dynamic_sources = old
+            if caller is not None:  # and HF's loop until the next step gets loop.threads
+                torch.set_num_threads(loop.threads)
 
     # (``__wrapped__`` is ``original``: HF reads the forward's signature through it to decide
     # which arguments generate() passes, logits_to_keep among them)

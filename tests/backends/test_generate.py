@@ -361,3 +361,62 @@ def test_a_weight_variant_rebuilt_at_run_time_is_no_recompile(opts):
             x = torch.randn(1, n, 16)
             torch.testing.assert_close(c(x), m(x))
     assert not [w for w in caught if issubclass(w.category, gen.RecompileWarning)]
+
+
+class _ThreadSpy:
+    """A logits processor: HF calls it between two forward calls of generate()."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.seen: list[int] = []
+        self.fail_at = fail_at
+
+    def __call__(self, input_ids, scores):
+        self.seen.append(torch.get_num_threads())
+        if self.fail_at is not None and len(self.seen) >= self.fail_at:
+            raise RuntimeError("spy stops generate()")
+        return scores
+
+
+@pytest.mark.parametrize("loop_threads", [1, None])
+def test_hf_loop_between_steps_runs_on_loop_threads(opts, loop_threads):
+    """Over a real vocabulary HF's per-step logits ops are parallel, and torch's OpenMP workers
+    then spin into the next step's region (benchmarks.loop_threads)."""
+    from transformers import LogitsProcessorList
+
+    model, ids = _model("qwen3")
+    expected = _generate(model, ids, cache_implementation="static")
+    compile_for_generate(model, max_cache_len=32, options=opts, loop_threads=loop_threads)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spy = _ThreadSpy()
+        got = _generate(model, ids, logits_processor=LogitsProcessorList([spy]))
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(got, expected)
+    assert len(spy.seen) == 6 and set(spy.seen) == {1 if loop_threads else 2}, spy.seen
+    assert after == 2  # the caller's count once generate() returns
+
+
+def test_generate_that_raises_restores_the_callers_threads(opts):
+    from transformers import LogitsProcessorList
+
+    model, ids = _model("qwen3")
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="spy stops"):
+            _generate(model, ids, logits_processor=LogitsProcessorList([_ThreadSpy(3)]))
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(prev)
+    assert after == 2
+
+
+def test_compile_for_generate_rejects_bad_loop_threads():
+    model, _ = _model("qwen3")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="loop_threads"):
+            compile_for_generate(model, max_cache_len=16, loop_threads=bad)
