@@ -8,6 +8,8 @@ tokens from the same weights:
 - ``eager`` (HF's default dynamic cache) and ``eager-static`` (``cache_implementation="static"``);
 - ``inductor`` and ``fxpass_bpu``: ``model.forward`` compiled with ``dynamic=False`` and a
   static cache of fixed length (prompt + the longest run), so every call reuses two graphs;
+  fxpass_bpu through ``compile_for_generate`` (its documented path; since 2026-12-03 08:30,
+  before that plain ``torch.compile`` as for inductor);
 - ``genai``: ``onnxruntime-genai``; the model is saved with ``save_pretrained`` to a temporary
   folder, built by ``onnxruntime_genai.models.builder`` (fp32, cpu) and run with its
   ``Generator`` from the same token ids;
@@ -68,8 +70,20 @@ def _hf_generate(model: Any, ids: torch.Tensor, **kw: Any) -> Callable[[int], to
 
 def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], Any], Any]:
     model, ids = _build(name)
-    _compile_static(model, backend, max_len)
+    _compile_for(model, backend, max_len)
     return _hf_generate(model, ids), model
+
+
+def _compile_for(model: Any, backend: str, max_len: int) -> None:
+    """``model`` compiled for static-cache generation: fxpass_bpu through its documented path
+    (``compile_for_generate``: HF's loop on one torch thread, sliding-window counters
+    symbolic), other backends with ``torch.compile`` on ``model.forward``."""
+    if backend == "fxpass_bpu":
+        from fxpass.backends.bpu import compile_for_generate
+
+        compile_for_generate(model, max_cache_len=max_len)
+    else:
+        _compile_static(model, backend, max_len)
 
 
 def _compile_static(
@@ -338,7 +352,7 @@ def _first_child(name: str, backend: str, new_tokens: int) -> None:
 
     model, ids = _build(name)
     t0 = time.perf_counter()
-    _compile_static(model, backend, PROMPT + new_tokens + 1)
+    _compile_for(model, backend, PROMPT + new_tokens + 1)
     with contextlib.redirect_stderr(io.StringIO()):
         _hf_generate(model, ids)(new_tokens)
     print(json.dumps({"first_generate_s": time.perf_counter() - t0}))
