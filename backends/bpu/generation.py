@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +125,10 @@ def compile_for_generate(
     # again, not the compiled one (a compile inside a compile; torch also refused it)
     forward = getattr(model.forward, UNCOMPILED, None) or model.forward
     forward = getattr(forward, "_torchdynamo_orig_callable", forward)  # torch.compile'd by hand
-    compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False, options=options or {})
+    # a copy: torch.compile pops guard_filter_fn out of the dict it gets (found in review: a
+    # second call with the same dict compiled without the filter)
+    compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False,
+                             options=dict(options or {}))
     loop = _LoopThreads(loop_threads)
     model.forward = _step_counters_symbolic(compiled, forward, loop)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
@@ -151,7 +155,17 @@ class _LoopThreads:
 
     def __init__(self, threads: int | None):
         self.threads = threads
-        self.caller: int | None = None
+        # per Python thread: a forward or generate() on another thread is not inside this
+        # one's generate() (found in review: its count leaked)
+        self._local = threading.local()
+
+    @property
+    def caller(self) -> int | None:
+        return getattr(self._local, "caller", None)
+
+    @caller.setter
+    def caller(self, n: int | None) -> None:
+        self._local.caller = n
 
 
 def _loop_on_threads(generate: Callable, loop: _LoopThreads) -> Callable:

@@ -312,10 +312,14 @@ class TorchThreads:
     def __init__(self, graph: Callable[..., Any], n: int):
         self.graph = graph
         self.n = n
+        #: a region that failed runs its eager graph, the heavy work, from then on: on the
+        #: caller's threads (found in review: it stayed pinned to one)
+        self.regions = [m for m in graph.modules() if isinstance(m, RegionCall)] if (
+            isinstance(graph, GraphModule)) else []
 
     def __call__(self, *args: Any) -> Any:
         prev = torch.get_num_threads()
-        if prev == self.n:
+        if prev == self.n or any(r.failed is not None for r in self.regions):
             return self.graph(*args)
         torch.set_num_threads(self.n)
         try:

@@ -107,3 +107,32 @@ def test_cpu_threads_option_is_validated(opts):
 
     with pytest.raises(TypeError, match="cpu_threads.*between 1 and"):
         validate_options({**opts, "cpu_threads": 0})
+
+
+def test_a_region_that_failed_runs_its_eager_graph_on_the_callers_threads(
+        opts, monkeypatch, two_threads):
+    """From the review: the failed region's eager graph (the heavy work) stayed on one thread."""
+    m = Light().eval()
+    ids = torch.randint(0, 50, (4, 64))
+    with torch.no_grad():
+        c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
+        c(ids)
+
+        def broken(self, *tensors):
+            raise RuntimeError("injected executor failure")
+
+        for cls in (rt.OrtExecutor, rt.TieredExecutor):
+            monkeypatch.setattr(cls, "__call__", broken)
+        with pytest.warns(rt.RegionFallbackWarning, match="injected"):
+            c(ids)  # fails inside the one-thread call, falls back
+        seen = []
+        real = rt.RegionCall._eager
+
+        def eager(self):
+            g = real(self)
+            return lambda *a: (seen.append(torch.get_num_threads()), g(*a))[1]
+
+        monkeypatch.setattr(rt.RegionCall, "_eager", eager)
+        got = c(ids)
+    torch.testing.assert_close(got, m(ids), rtol=1e-5, atol=1e-5)
+    assert seen == [2], seen

@@ -94,9 +94,18 @@ def test_compile_for_generate_passes_a_guard_filter_to_torch(opts):
             return model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                   cache_implementation="static")
 
+    calls = []
+
+    def spy(entries):
+        calls.append(len(entries))
+        return FILTER(entries)
+
+    options = {**opts, "guard_filter_fn": spy}
     expected = generate()
-    compile_for_generate(model, max_cache_len=32, options={**opts, "guard_filter_fn": FILTER})
+    compile_for_generate(model, max_cache_len=32, options=options)
     assert torch.equal(generate(), expected)
+    assert calls, "torch never called the filter"
+    assert options["guard_filter_fn"] is spy  # torch pops the key from what it gets: a copy
     up = model.model.layers[0].mlp.up_proj
     up.weight = torch.nn.Parameter(torch.randn_like(up.weight))
     compiled = model.forward

@@ -388,15 +388,43 @@ def test_hf_loop_between_steps_runs_on_loop_threads(opts, loop_threads):
     compile_for_generate(model, max_cache_len=32, options=opts, loop_threads=loop_threads)
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
+    import fxpass.backends.bpu.backend as be
+
+    steps = []
+    real = be.GuardedGraph.__call__
+
+    def entry(self, *args):  # the backend's entry: before the graph sets its own count
+        steps.append(torch.get_num_threads())
+        return real(self, *args)
+
     try:
+        be.GuardedGraph.__call__ = entry
         spy = _ThreadSpy()
         got = _generate(model, ids, logits_processor=LogitsProcessorList([spy]))
         after = torch.get_num_threads()
     finally:
+        be.GuardedGraph.__call__ = real
         torch.set_num_threads(prev)
     assert torch.equal(got, expected)
     assert len(spy.seen) == 6 and set(spy.seen) == {1 if loop_threads else 2}, spy.seen
+    assert len(steps) == 6 and set(steps) == {2}, steps  # every step gets the caller's count
     assert after == 2  # the caller's count once generate() returns
+
+
+def test_loop_threads_state_is_per_python_thread():
+    """From the review: a forward on another thread inside this one's generate() took this
+    thread's count and kept loop_threads after."""
+    import threading
+
+    from fxpass.backends.bpu.generation import _LoopThreads
+
+    loop = _LoopThreads(1)
+    loop.caller = 2
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(loop.caller))
+    t.start()
+    t.join()
+    assert seen == [None] and loop.caller == 2
 
 
 def test_generate_that_raises_restores_the_callers_threads(opts):
