@@ -158,18 +158,13 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     ex = opts.setdefault("executor", "auto")
     if ex not in EXECUTORS:
         raise TypeError(f"fxpass_bpu option 'executor' must be one of {EXECUTORS}, got {ex!r}")
-    th = opts.get("threads")
-    if th is not None and not 1 <= th <= (os.cpu_count() or 1):
-        raise TypeError(
-            f"fxpass_bpu option 'threads' must be between 1 and this machine's "
-            f"{os.cpu_count()} CPUs, got {th}; leave it unset to let onnxruntime choose"
-        )
-    cth = opts.get("cpu_threads")
-    if cth is not None and not 1 <= cth <= (os.cpu_count() or 1):
-        raise TypeError(
-            f"fxpass_bpu option 'cpu_threads' must be between 1 and this machine's "
-            f"{os.cpu_count()} CPUs, got {cth}; leave it unset to let fxpass choose"
-        )
+    for key, chooser in (("threads", "onnxruntime"), ("cpu_threads", "fxpass")):
+        th = opts.get(key)
+        if th is not None and not 1 <= th <= (os.cpu_count() or 1):
+            raise TypeError(
+                f"fxpass_bpu option {key!r} must be between 1 and this machine's "
+                f"{os.cpu_count()} CPUs, got {th}; leave it unset to let {chooser} choose"
+            )
     if opts.get("min_compute_macs") is not None and opts["min_compute_macs"] < 0:
         raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
     if opts.setdefault("max_variants", MAX_VARIANTS) < 1:

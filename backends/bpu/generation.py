@@ -143,7 +143,7 @@ TORCH_OPTIONS = ("guard_filter_fn",)
 UNCOMPILED = "_fxpass_uncompiled"
 
 
-class _LoopThreads:
+class _LoopThreads(threading.local):
     """Torch's thread count for HF's generation loop between two forward calls.
 
     Why: HF's loop works on the logits between steps (a float32 copy, argmax, the logits
@@ -154,18 +154,10 @@ class _LoopThreads:
     call is running, else None: forward calls outside ``generate()`` change nothing."""
 
     def __init__(self, threads: int | None):
+        # a thread-local (each Python thread runs __init__ anew): a forward or generate() on
+        # another thread is not inside this one's generate() (found in review: its count leaked)
         self.threads = threads
-        # per Python thread: a forward or generate() on another thread is not inside this
-        # one's generate() (found in review: its count leaked)
-        self._local = threading.local()
-
-    @property
-    def caller(self) -> int | None:
-        return getattr(self._local, "caller", None)
-
-    @caller.setter
-    def caller(self, n: int | None) -> None:
-        self._local.caller = n
+        self.caller: int | None = None
 
 
 def _loop_on_threads(generate: Callable, loop: _LoopThreads) -> Callable:

@@ -304,8 +304,8 @@ class TorchThreads:
     Why: after every parallel torch op, torch's OpenMP workers keep spinning for milliseconds
     (libgomp's default wait policy), and onnxruntime's workers run on the same cores, so a
     host region started right after one ran a core short. Qwen3 4 x 1024, 128 tokens
-    (``benchmarks.forward_split``): the region alone 62.6 ms; inside the compiled call, after
-    the embedding, 7.4 ms more; 0.9 ms more with torch's ops on one thread. The backend uses
+    (``benchmarks.forward_split``, 2026-12-03): 69.5 ms per call against 79.0 with the
+    embedding in front of the region on torch's 2 threads. The backend uses
     this only for graphs whose torch ops are light (an embedding, index arithmetic), which lose
     nothing on one thread. ``torch.set_num_threads`` is a few hundred ns each way."""
 

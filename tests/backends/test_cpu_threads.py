@@ -52,6 +52,13 @@ def _threads_seen_by_regions(monkeypatch, fn, *args):
     return fn(*args), seen
 
 
+def _light(opts: dict, **extra):
+    """``Light``, token ids for it, and the model compiled with ``opts`` and ``extra``."""
+    m = Light().eval()
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options={**opts, **extra})
+    return m, torch.randint(0, 50, (4, 64)), c
+
+
 @pytest.fixture
 def two_threads():
     prev = torch.get_num_threads()
@@ -62,10 +69,8 @@ def two_threads():
 
 def test_light_cpu_ops_run_on_one_thread_and_the_callers_count_is_restored(
         opts, monkeypatch, two_threads):
-    m = Light().eval()
-    ids = torch.randint(0, 50, (4, 64))
+    m, ids, c = _light(opts)
     with torch.no_grad():
-        c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
         got, seen = _threads_seen_by_regions(monkeypatch, c, ids)
         torch.testing.assert_close(got, m(ids), rtol=1e-5, atol=1e-5)
     assert seen and set(seen) == {1}, seen
@@ -76,12 +81,9 @@ def test_light_cpu_ops_run_on_one_thread_and_the_callers_count_is_restored(
 
 def test_cpu_threads_option_sets_the_count(opts, monkeypatch, two_threads):
     n = min(2, os.cpu_count() or 1)
-    m = Light().eval()
-    ids = torch.randint(0, 50, (4, 64))
+    m, ids, c = _light(opts, cpu_threads=n)
     torch.set_num_threads(1)  # the option, not the caller's count, decides inside
     with torch.no_grad():
-        c = torch.compile(m, backend="fxpass_bpu", dynamic=False,
-                          options={**opts, "cpu_threads": n})
         got, seen = _threads_seen_by_regions(monkeypatch, c, ids)
         torch.testing.assert_close(got, m(ids), rtol=1e-5, atol=1e-5)
     assert seen and set(seen) == {n}, seen
@@ -112,10 +114,8 @@ def test_cpu_threads_option_is_validated(opts):
 def test_a_region_that_failed_runs_its_eager_graph_on_the_callers_threads(
         opts, monkeypatch, two_threads):
     """From the review: the failed region's eager graph (the heavy work) stayed on one thread."""
-    m = Light().eval()
-    ids = torch.randint(0, 50, (4, 64))
+    m, ids, c = _light(opts)
     with torch.no_grad():
-        c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
         c(ids)
 
         def broken(self, *tensors):
