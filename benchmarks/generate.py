@@ -160,7 +160,10 @@ class LinearsOnly:
                     torch.nn.functional.linear(self.x[w.shape[1]], w)
 
 
-def run_model(name: str, new_tokens: tuple[int, ...], repeats: int) -> dict[str, Any]:
+def run_model(
+    name: str, new_tokens: tuple[int, ...], repeats: int, only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """Every contender (or those in ``only``) on model ``name``, side by side."""
     import fxpass
 
     max_len = PROMPT + max(new_tokens) + 1
@@ -175,6 +178,11 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int) -> dict[str,
         "genai": lambda: (GenAI(eager_model, ids, max_len), None),
         "linears-only": lambda: (LinearsOnly(eager_model), None),
     }
+    if only:
+        unknown = set(only) - set(makers)
+        if unknown:
+            raise SystemExit(f"unknown contender(s) {sorted(unknown)}; choose from {list(makers)}")
+        makers = {k: v for k, v in makers.items() if k in only}
     reference = {n: _hf_generate(eager_model, ids)(n) for n in new_tokens}
     results: dict[str, dict[str, Any]] = {}
     runners: dict[str, Callable[[int], Any]] = {}
@@ -228,15 +236,16 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     Wraps the backend's entry (``GuardedGraph.__call__``), each region call
     (``RegionCall.forward``) and the executor. ``device_regions_ms`` is the executor;
     ``region_wrapper_ms`` is fxpass's per-region code (input checks, zero-copy conversions,
-    output shape checks); ``graph_cpu_ms`` is the spliced graph's CPU ops (the embedding, the
-    model's position arithmetic, the cache writes) plus the weight guard and FX's interpreter
-    overhead; ``dynamo_aot_hf_ms`` is everything outside the backend (guards, AOT wrappers,
-    HF's generation loop).
+    output shape checks); ``weight_guard_ms`` is fxpass's check that no weight changed (the
+    backend's entry up to the spliced graph); ``graph_cpu_ms`` is the spliced graph's CPU ops
+    (the embedding, the model's position arithmetic, the cache writes) with FX's per-node
+    Python; ``dynamo_aot_hf_ms`` is everything outside the backend (guards, AOT wrappers, HF's
+    generation loop). fxpass's own share is ``region_wrapper_ms + weight_guard_ms``.
     """
     import fxpass.backends.bpu.backend as be
     import fxpass.backends.bpu.runtime as rt
 
-    acc = {"entry": 0.0, "region": 0.0, "executor": 0.0}
+    acc = {"entry": 0.0, "run": 0.0, "region": 0.0, "executor": 0.0}
     patched = [
         (be.GuardedGraph, "__call__", "entry"),
         (rt.RegionCall, "forward", "region"),
@@ -254,25 +263,38 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
 
         return wrapper
 
+    touched: dict[int, tuple[Any, Callable]] = {}  # GuardedGraph -> its own run
+
+    def entry(self: Any, *a: Any) -> Any:  # times the guarded graph's run on its instance
+        if id(self) not in touched:
+            touched[id(self)] = (self, self.run)
+            self.run = timed("run", self.run)
+        return real[0](self, *a)
+
     torch._dynamo.reset()
     run, model = _compiled(name, "fxpass_bpu", PROMPT + new_tokens + 2)
     run(new_tokens + 1)
     for (cls, attr, key), fn in zip(patched, real, strict=True):
-        setattr(cls, attr, timed(key, fn))
+        setattr(cls, attr, timed(key, entry if attr == "__call__" and cls is be.GuardedGraph
+                                 else fn))
     try:
-        total, entry, region, execu = _per_token(
-            run, new_tokens, rounds, lambda: acc.update(entry=0.0, region=0.0, executor=0.0),
-            lambda wall: (wall, acc["entry"], acc["region"], acc["executor"]))
+        total, entry_s, run_s, region, execu = _per_token(
+            run, new_tokens, rounds,
+            lambda: acc.update(entry=0.0, run=0.0, region=0.0, executor=0.0),
+            lambda wall: (wall, acc["entry"], acc["run"], acc["region"], acc["executor"]))
     finally:
         for (cls, attr, _), fn in zip(patched, real, strict=True):
             setattr(cls, attr, fn)
+        for obj, own in touched.values():  # each instance gets its own run back, untimed
+            obj.run = own
     warm, flushed = _outside_replayed(run, model, new_tokens, rounds)
     return {
         "step_ms": total,
         "device_regions_ms": execu,
         "region_wrapper_ms": region - execu,
-        "graph_cpu_ms": entry - region,
-        "dynamo_aot_hf_ms": total - entry,
+        "weight_guard_ms": entry_s - run_s,
+        "graph_cpu_ms": run_s - region,
+        "dynamo_aot_hf_ms": total - entry_s,
         "dynamo_aot_hf_warm_ms": warm,
         "dynamo_aot_hf_flushed_ms": flushed,
     }
@@ -435,6 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default=None, help=f"comma-separated subset of {list(MODELS)}")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated subset (default: all); a subset run is written as "
+                         "generate[-quick]-subset and skips the breakdown and fresh-process runs")
     ap.add_argument("--first-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.first_child:
@@ -448,13 +473,19 @@ def main(argv: list[str] | None = None) -> None:
     data: dict[str, Any] = {"env": harness.environment(), "runs": []}
     out = Path(args.out)
     stem = "generate-quick" if args.quick else "generate"  # a quick run never replaces a full one
+    only = tuple(args.contenders.split(",")) if args.contenders else None
+    if only:
+        stem += "-subset"
+        data["contenders"] = list(only)
     for name in names:
         print(f"[generate] {name} ...", file=sys.stderr, flush=True)
-        data["runs"].append(run_model(name, new_tokens, args.repeats))
-        data["runs"][-1]["fxpass_step_breakdown"] = overhead(name)
-        data["runs"][-1]["first_generate_fresh"] = first_generate(name, new_tokens[0])
+        data["runs"].append(run_model(name, new_tokens, args.repeats, only))
+        if not only:
+            data["runs"][-1]["fxpass_step_breakdown"] = overhead(name)
+            data["runs"][-1]["first_generate_fresh"] = first_generate(name, new_tokens[0])
         harness.write_json(out / f"{stem}.json", data)  # partial results survive a crash
-    md = to_markdown(data) + "\n\n" + breakdown_markdown(data) + "\n\n" + fresh_markdown(data)
+    parts = [to_markdown(data)] + ([] if only else [breakdown_markdown(data), fresh_markdown(data)])
+    md = "\n\n".join(parts)
     (out / f"{stem}.md").write_text(md + "\n")
     _plot(data, out / f"{stem}.png")
     print(md)
@@ -466,7 +497,8 @@ def breakdown_markdown(data: dict[str, Any]) -> str:
         b = run.get("fxpass_step_breakdown")
         if b:
             rows.append({"model": run["model"], **{k: f"{v:.2f}" for k, v in b.items()}})
-    cols = ["model", "step_ms", "device_regions_ms", "region_wrapper_ms", "graph_cpu_ms",
+    cols = ["model", "step_ms", "device_regions_ms", "region_wrapper_ms", "weight_guard_ms",
+            "graph_cpu_ms",
             "dynamo_aot_hf_ms", "dynamo_aot_hf_warm_ms", "dynamo_aot_hf_flushed_ms"]
     return ("fxpass_bpu decode step, where the time goes (ms, medians; the last two columns "
             "time Dynamo/AOT/HF with the graph's outputs replayed: warm caches, then a "
