@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import statistics
 import subprocess
@@ -241,6 +242,9 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     (the embedding, the model's position arithmetic, the cache writes) with FX's per-node
     Python; ``dynamo_aot_hf_ms`` is everything outside the backend (guards, AOT wrappers, HF's
     generation loop). fxpass's own share is ``region_wrapper_ms + weight_guard_ms``.
+    ``forward_side_*_ms`` is the part of the replayed Dynamo/AOT/HF time inside the model's
+    forward call (Dynamo's guards and frame, AOTAutograd, ``compile_for_generate``'s wrapper);
+    the rest of it is HF's loop.
     """
     import fxpass.backends.bpu.backend as be
     import fxpass.backends.bpu.runtime as rt
@@ -287,7 +291,8 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
             setattr(cls, attr, fn)
         for obj, own in touched.values():  # each instance gets its own run back, untimed
             obj.run = own
-    warm, flushed = _outside_replayed(run, model, new_tokens, rounds)
+    fwd: list[float] = []
+    warm, flushed = _outside_replayed(run, model, new_tokens, rounds, in_forward=fwd)
     return {
         "step_ms": total,
         "device_regions_ms": execu,
@@ -296,12 +301,15 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
         "graph_cpu_ms": run_s - region,
         "dynamo_aot_hf_ms": total - entry_s,
         "dynamo_aot_hf_warm_ms": warm,
+        "forward_side_warm_ms": fwd[0],
         "dynamo_aot_hf_flushed_ms": flushed,
+        "forward_side_flushed_ms": fwd[1],
     }
 
 
 def _outside_replayed(
-    run: Callable[[int], Any], model: torch.nn.Module, new_tokens: int, rounds: int
+    run: Callable[[int], Any], model: torch.nn.Module, new_tokens: int, rounds: int,
+    in_forward: list[float] | None = None,
 ) -> tuple[float, float]:
     """The same Dynamo/AOTAutograd/HF time per token with the backend replaying its first
     outputs instead of running, in ms: ``warm`` as is, ``flushed`` with a weights-sized
@@ -311,6 +319,9 @@ def _outside_replayed(
     runs after it (Dynamo's guard tree, HF's loop) starts on cold caches. The two figures
     split ``dynamo_aot_hf_ms`` into its own cost and the cache refill that a fast region
     causes; greedy decoding of replayed logits repeats one token, which changes no code path.
+    ``in_forward``, if given, receives the part of each figure spent inside the model's
+    forward call (Dynamo's guards and frame, AOTAutograd's wrapper, the compiled forward's
+    own wrapper); the rest is HF's generation loop.
     """
     import numpy as np
 
@@ -332,19 +343,37 @@ def _outside_replayed(
             spent[0] += time.perf_counter() - t0
         return replay[id(self)]
 
+    inside = [0.0]
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def timed_forward(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return forward(*a, **kw)
+        finally:
+            inside[0] += time.perf_counter() - t0
+
     def reset() -> None:
-        spent[0] = 0.0
+        spent[0] = inside[0] = 0.0
 
     be.GuardedGraph.__call__ = replayed
+    if in_forward is not None:
+        model.forward = timed_forward
     out = []
     try:
         run(2)  # records each graph's outputs once
         for flushing in (False, True):
             flush[0] = flushing
-            (ms,) = _per_token(run, new_tokens, rounds, reset, lambda wall: (wall - spent[0],))
+            ms, fwd = _per_token(run, new_tokens, rounds, reset,
+                                 lambda wall: (wall - spent[0], inside[0] - spent[0]))
             out.append(ms)
+            if in_forward is not None:
+                in_forward.append(fwd)
     finally:
         be.GuardedGraph.__call__ = real
+        if in_forward is not None:
+            model.forward = forward
     return out[0], out[1]
 
 
@@ -499,10 +528,12 @@ def breakdown_markdown(data: dict[str, Any]) -> str:
             rows.append({"model": run["model"], **{k: f"{v:.2f}" for k, v in b.items()}})
     cols = ["model", "step_ms", "device_regions_ms", "region_wrapper_ms", "weight_guard_ms",
             "graph_cpu_ms",
-            "dynamo_aot_hf_ms", "dynamo_aot_hf_warm_ms", "dynamo_aot_hf_flushed_ms"]
-    return ("fxpass_bpu decode step, where the time goes (ms, medians; the last two columns "
+            "dynamo_aot_hf_ms", "dynamo_aot_hf_warm_ms", "dynamo_aot_hf_flushed_ms",
+            "forward_side_warm_ms", "forward_side_flushed_ms"]
+    return ("fxpass_bpu decode step, where the time goes (ms, medians; the last four columns "
             "time Dynamo/AOT/HF with the graph's outputs replayed: warm caches, then a "
-            "weights-sized stream through them where the graph ran):\n\n"
+            "weights-sized stream through them where the graph ran; forward_side is the part "
+            "inside the model's forward call, the rest is HF's loop):\n\n"
             + harness.markdown_table(rows, cols))
 
 
