@@ -46,8 +46,10 @@ FIX = (
 )
 
 
+#: the attribute of HF's sliding-window cache layers that counts tokens in a Python int
+STEP_COUNTER = "cumulative_length_int"
 #: Python ints in HF caches that change every token (sources, as Dynamo names them, end so)
-STEP_COUNTERS = r".*\.cumulative_length_int$"
+STEP_COUNTERS = rf".*\.{STEP_COUNTER}$"
 
 
 class GrowingCacheWarning(UserWarning):
@@ -130,10 +132,10 @@ def compile_for_generate(
     # second call with the same dict compiled without the filter)
     compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False,
                              options=dict(options or {}))
-    loop = _LoopThreads(loop_threads)
-    model.forward = _step_counters_symbolic(compiled, forward, loop)
+    state = _GenerateState(loop_threads)
+    model.forward = _step_counters_symbolic(compiled, forward, state)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
-    model.generate = _loop_on_threads(generate, loop)
+    model.generate = _loop_on_threads(generate, state)
     return model
 
 
@@ -144,8 +146,9 @@ TORCH_OPTIONS = ("guard_filter_fn",)
 UNCOMPILED = "_fxpass_uncompiled"
 
 
-class _LoopThreads(threading.local):
-    """Torch's thread count for HF's generation loop between two forward calls.
+class _GenerateState(threading.local):
+    """Per Python thread: torch's thread count for HF's generation loop between two forward
+    calls, and the cache the forward last saw (``_step_counters_symbolic``).
 
     Why: HF's loop works on the logits between steps (a float32 copy, argmax, the logits
     processors). Over a real vocabulary (151,936 words) those ops are parallel, and torch's
@@ -162,10 +165,10 @@ class _LoopThreads(threading.local):
         #: the cache object last seen by the forward on this thread, and whether it counts
         #: tokens in a Python int (``_step_counters_symbolic``)
         self.cache: Callable[[], Any] = _NONE
-        self.counters = True
+        self.counters = True  # until a cache is seen
 
 
-def _loop_on_threads(generate: Callable, loop: _LoopThreads) -> Callable:
+def _loop_on_threads(generate: Callable, loop: _GenerateState) -> Callable:
     """``generate`` that runs HF's loop on ``loop.threads`` torch threads (between the model's
     forward calls, which get the caller's count back) and restores the caller's count when it
     returns or raises."""
@@ -186,7 +189,7 @@ def _loop_on_threads(generate: Callable, loop: _LoopThreads) -> Callable:
 
 
 def _step_counters_symbolic(
-    compiled: Callable, original: Callable, loop: _LoopThreads | None = None
+    compiled: Callable, original: Callable, state: _GenerateState
 ) -> Callable:
     """``compiled`` (of ``original``) with HF's per-token cache counters traced as symbolic
     ints.
@@ -201,15 +204,16 @@ def _step_counters_symbolic(
     compiling it again failed.
     """
     config = torch.compiler.config
-    state = loop if loop is not None else _LoopThreads(None)
 
     @functools.wraps(original, updated=())
     def forward(*args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("past_key_values")
-        if cache is None or state.cache() is not cache:  # a new cache (or none): look again
-            state.cache = _ref(cache)
-            state.counters = cache is None or _counts_in_python(cache)
-        counters = state.counters
+        if cache is None:  # nothing to look at: the always-safe path
+            counters = True
+        else:
+            if state.cache() is not cache:  # a new cache: look at it once
+                state.cache, state.counters = _ref(cache), _counts_in_python(cache)
+            counters = state.counters
         if counters:
             old = config.dynamic_sources
             config.dynamic_sources = f"{old},{STEP_COUNTERS}" if old else STEP_COUNTERS
@@ -249,9 +253,7 @@ def _counts_in_python(cache: Any) -> bool:
     sliding-window layers). Anything that is not a recognisable HF cache counts as yes: the
     config is then set as before, which is always safe."""
     try:
-        layers = cache.layers
-        name = STEP_COUNTERS.rsplit(".", 1)[-1].rstrip("$")  # cumulative_length_int
-        return any(name in vars(layer) for layer in layers)
+        return any(STEP_COUNTER in vars(layer) for layer in cache.layers)
     except Exception:  # noqa: BLE001 - an unknown cache: keep the safe path
         return True
 

@@ -416,9 +416,9 @@ def test_loop_threads_state_is_per_python_thread():
     thread's count and kept loop_threads after."""
     import threading
 
-    from fxpass.backends.bpu.generation import _LoopThreads
+    from fxpass.backends.bpu.generation import _GenerateState
 
-    loop = _LoopThreads(1)
+    loop = _GenerateState(1)
     loop.caller = 2
     seen = []
     t = threading.Thread(target=lambda: seen.append(loop.caller))
@@ -460,7 +460,11 @@ def test_step_counters_config_is_set_only_for_a_cache_that_counts_in_python(slid
 
     from transformers import StaticCache
 
-    from fxpass.backends.bpu.generation import STEP_COUNTERS, _LoopThreads, _step_counters_symbolic
+    from fxpass.backends.bpu.generation import (
+        STEP_COUNTERS,
+        _GenerateState,
+        _step_counters_symbolic,
+    )
 
     model, _ = _sliding() if sliding else _model("qwen3")
     seen = []
@@ -469,7 +473,7 @@ def test_step_counters_config_is_set_only_for_a_cache_that_counts_in_python(slid
         seen.append(torch.compiler.config.dynamic_sources)
         return "out"
 
-    forward = _step_counters_symbolic(compiled, model.forward, _LoopThreads(None))
+    forward = _step_counters_symbolic(compiled, model.forward, _GenerateState(None))
     before = torch.compiler.config.dynamic_sources
     cache = StaticCache(config=model.config, max_cache_len=16)
     assert forward(past_key_values=cache) == "out"
