@@ -69,6 +69,28 @@ def _hf_generate(model: Any, ids: torch.Tensor, **kw: Any) -> Callable[[int], to
     return run
 
 
+def decode_side_by_side(
+    runners: dict[str, Callable[[int], Any]], reference: torch.Tensor, new_tokens: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """Each runner's tokens checked against ``reference`` (its ``1 + new_tokens`` call) and its
+    decode ms/token, interleaved (``harness.interleave``): (t(1 + N) - t(1)) / N from the
+    medians. The small A/B benchmarks (``loop_threads``, ``guard_bound``) share this."""
+    from fxpass.backends.bpu import settle
+
+    match = {n: bool(torch.equal(f(new_tokens + 1), reference)) for n, f in runners.items()}
+    settle()
+    times = {}
+    for length in (1, new_tokens + 1):
+        stats = harness.interleave(
+            {n: (lambda f=f, length=length: f(length)) for n, f in runners.items()},
+            warmup=1, repeats=repeats, budget_s=30.0, min_repeats=3, settle_s=0.1)
+        times[length] = {n: st.median for n, st in stats.items()}
+    decode = {n: (times[new_tokens + 1][n] - times[1][n]) / new_tokens * 1e3 for n in runners}
+    return {"decode_ms_per_token": decode, "tokens_match_eager": match,
+            "generate_s": {str(k): v for k, v in times.items()}}
+
+
 def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], Any], Any]:
     model, ids = _build(name)
     _compile_for(model, backend, max_len)
@@ -241,7 +263,9 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     backend's entry up to the spliced graph); ``graph_cpu_ms`` is the spliced graph's CPU ops
     (the embedding, the model's position arithmetic, the cache writes) with FX's per-node
     Python; ``dynamo_aot_hf_ms`` is everything outside the backend (guards, AOT wrappers, HF's
-    generation loop). fxpass's own share is ``region_wrapper_ms + weight_guard_ms``.
+    generation loop). fxpass's own share is ``region_wrapper_ms + weight_guard_ms`` plus
+    ``compile_for_generate``'s forward wrapper, which sits in ``forward_side`` (measured on
+    its own by ``benchmarks.wrapper_cost``).
     ``forward_side_*_ms`` is the part of the replayed Dynamo/AOT/HF time inside the model's
     forward call (Dynamo's guards and frame, AOTAutograd, ``compile_for_generate``'s wrapper);
     the rest of it is HF's loop.
@@ -273,26 +297,27 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
         if id(self) not in touched:
             touched[id(self)] = (self, self.run)
             self.run = timed("run", self.run)
-        return real[0](self, *a)
+        return guarded(self, *a)
+
+    guarded = be.GuardedGraph.__call__
+    installed = {"entry": entry}  # the guarded graph's entry also times its run
 
     torch._dynamo.reset()
     run, model = _compiled(name, "fxpass_bpu", PROMPT + new_tokens + 2)
     run(new_tokens + 1)
     for (cls, attr, key), fn in zip(patched, real, strict=True):
-        setattr(cls, attr, timed(key, entry if attr == "__call__" and cls is be.GuardedGraph
-                                 else fn))
+        setattr(cls, attr, timed(key, installed.get(key, fn)))
     try:
         total, entry_s, run_s, region, execu = _per_token(
             run, new_tokens, rounds,
-            lambda: acc.update(entry=0.0, run=0.0, region=0.0, executor=0.0),
+            lambda: acc.update(dict.fromkeys(acc, 0.0)),
             lambda wall: (wall, acc["entry"], acc["run"], acc["region"], acc["executor"]))
     finally:
         for (cls, attr, _), fn in zip(patched, real, strict=True):
             setattr(cls, attr, fn)
         for obj, own in touched.values():  # each instance gets its own run back, untimed
             obj.run = own
-    fwd: list[float] = []
-    warm, flushed = _outside_replayed(run, model, new_tokens, rounds, in_forward=fwd)
+    warm, flushed, fwd_warm, fwd_flushed = _outside_replayed(run, model, new_tokens, rounds)
     return {
         "step_ms": total,
         "device_regions_ms": execu,
@@ -301,16 +326,15 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
         "graph_cpu_ms": run_s - region,
         "dynamo_aot_hf_ms": total - entry_s,
         "dynamo_aot_hf_warm_ms": warm,
-        "forward_side_warm_ms": fwd[0],
+        "forward_side_warm_ms": fwd_warm,
         "dynamo_aot_hf_flushed_ms": flushed,
-        "forward_side_flushed_ms": fwd[1],
+        "forward_side_flushed_ms": fwd_flushed,
     }
 
 
 def _outside_replayed(
-    run: Callable[[int], Any], model: torch.nn.Module, new_tokens: int, rounds: int,
-    in_forward: list[float] | None = None,
-) -> tuple[float, float]:
+    run: Callable[[int], Any], model: torch.nn.Module, new_tokens: int, rounds: int
+) -> tuple[float, float, float, float]:
     """The same Dynamo/AOTAutograd/HF time per token with the backend replaying its first
     outputs instead of running, in ms: ``warm`` as is, ``flushed`` with a weights-sized
     buffer streamed through the caches (numpy, one thread, not timed) where the graph ran.
@@ -319,9 +343,9 @@ def _outside_replayed(
     runs after it (Dynamo's guard tree, HF's loop) starts on cold caches. The two figures
     split ``dynamo_aot_hf_ms`` into its own cost and the cache refill that a fast region
     causes; greedy decoding of replayed logits repeats one token, which changes no code path.
-    ``in_forward``, if given, receives the part of each figure spent inside the model's
-    forward call (Dynamo's guards and frame, AOTAutograd's wrapper, the compiled forward's
-    own wrapper); the rest is HF's generation loop.
+    Returns (warm, flushed, warm in the forward call, flushed in the forward call): the last
+    two are the part spent inside the model's forward call (Dynamo's guards and frame,
+    AOTAutograd's wrapper, the compiled forward's own wrapper); the rest is HF's loop.
     """
     import numpy as np
 
@@ -358,23 +382,20 @@ def _outside_replayed(
         spent[0] = inside[0] = 0.0
 
     be.GuardedGraph.__call__ = replayed
-    if in_forward is not None:
-        model.forward = timed_forward
-    out = []
+    model.forward = timed_forward
+    out, fwd = [], []
     try:
         run(2)  # records each graph's outputs once
         for flushing in (False, True):
             flush[0] = flushing
-            ms, fwd = _per_token(run, new_tokens, rounds, reset,
-                                 lambda wall: (wall - spent[0], inside[0] - spent[0]))
+            ms, ms_inside = _per_token(run, new_tokens, rounds, reset,
+                                       lambda wall: (wall - spent[0], inside[0] - spent[0]))
             out.append(ms)
-            if in_forward is not None:
-                in_forward.append(fwd)
+            fwd.append(ms_inside)
     finally:
         be.GuardedGraph.__call__ = real
-        if in_forward is not None:
-            model.forward = forward
-    return out[0], out[1]
+        model.forward = forward
+    return out[0], out[1], fwd[0], fwd[1]
 
 
 def _per_token(

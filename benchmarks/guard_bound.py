@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.generate import PROMPT, _build, _hf_generate
+from benchmarks.generate import PROMPT, _build, _hf_generate, decode_side_by_side
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,7 +41,7 @@ def _unguarded(run: Callable[[int], Any]) -> Callable[[int], Any]:
 
 
 def measure(name: str, new_tokens: int, repeats: int) -> dict[str, Any]:
-    from fxpass.backends.bpu import compile_for_generate, settle
+    from fxpass.backends.bpu import compile_for_generate
 
     model, ids = _build(name)
     eager = _hf_generate(model, ids, cache_implementation="static")
@@ -51,18 +51,8 @@ def measure(name: str, new_tokens: int, repeats: int) -> dict[str, Any]:
     guarded(new_tokens + 1)  # both graphs compiled with every guard before any is skipped
     runners = {"eager-static": eager, "fxpass_bpu": guarded,
                "fxpass_bpu, guards skipped": _unguarded(guarded)}
-    reference = eager(new_tokens + 1)
-    match = {n: bool(torch.equal(f(new_tokens + 1), reference)) for n, f in runners.items()}
-    settle()
-    times = {}
-    for length in (1, new_tokens + 1):
-        stats = harness.interleave(
-            {n: (lambda f=f, length=length: f(length)) for n, f in runners.items()},
-            warmup=1, repeats=repeats, budget_s=30.0, min_repeats=3, settle_s=0.1)
-        times[length] = {n: s.median for n, s in stats.items()}
-    decode = {n: (times[new_tokens + 1][n] - times[1][n]) / new_tokens * 1e3 for n in runners}
-    return {"model": name, "new_tokens": new_tokens, "decode_ms_per_token": decode,
-            "tokens_match_eager": match, "generate_s": {str(k): v for k, v in times.items()}}
+    return {"model": name, "new_tokens": new_tokens,
+            **decode_side_by_side(runners, eager(new_tokens + 1), new_tokens, repeats)}
 
 
 def to_markdown(r: dict[str, Any]) -> str:

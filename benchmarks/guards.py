@@ -106,7 +106,7 @@ def measure(name: str, mode: str, new_tokens: int, rounds: int) -> dict[str, Any
             t = time.perf_counter()
             guard.check(frame_locals)
             cold.append(time.perf_counter() - t)
-        step_warm, step_cold = _outside_replayed(run, model, new_tokens, rounds)
+        step_warm, step_cold, _, _ = _outside_replayed(run, model, new_tokens, rounds)
     return {
         "mode": mode,
         "graphs": len(entries),

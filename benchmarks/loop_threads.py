@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.generate import PROMPT, _hf_generate
+from benchmarks.generate import PROMPT, _hf_generate, decode_side_by_side
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def run(vocab: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-    from fxpass.backends.bpu import compile_for_generate, settle, zoo
+    from fxpass.backends.bpu import compile_for_generate, zoo
 
     model, kw = zoo.get("qwen3", layers=4, hidden=512, heads=8, kv_heads=4, vocab=vocab,
                         tokens=PROMPT)
@@ -43,18 +43,8 @@ def run(vocab: int, new_tokens: int, repeats: int) -> dict[str, Any]:
                              options={"cache": False}, loop_threads=threads)
         runners[name] = _hf_generate(m, ids)
     reference = runners["eager-static"](new_tokens + 1)
-    match = {n: bool(torch.equal(f(new_tokens + 1), reference)) for n, f in runners.items()}
-    settle()
-    times = {}
-    for length in (1, new_tokens + 1):
-        stats = harness.interleave(
-            {n: (lambda f=f, length=length: f(length)) for n, f in runners.items()},
-            warmup=1, repeats=repeats, budget_s=30.0, min_repeats=3, settle_s=0.1)
-        times[length] = {n: s.median for n, s in stats.items()}
-    decode = {n: (times[new_tokens + 1][n] - times[1][n]) / new_tokens * 1e3 for n in runners}
     return {"vocab": vocab, "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
-            "decode_ms_per_token": decode, "tokens_match_eager": match,
-            "generate_s": {str(k): v for k, v in times.items()}}
+            **decode_side_by_side(runners, reference, new_tokens, repeats)}
 
 
 def to_markdown(r: dict[str, Any]) -> str:
