@@ -50,8 +50,10 @@ def test_static_cache_generate_is_two_graphs_of_one_region(name, opts):
         assert r.mac_share == 1.0, str(r)
         assert r.rewrites.get("kv_cache_update", 0) == 2 * 2, r.rewrites  # K and V per layer
         # only the embedding and integer index arithmetic stay on the CPU (plus rotary cos/sin,
-        # which the BPU table lacks, and the cache writes themselves)
-        allowed = ("embedding", "int64", "eq.Tensor", "index_select", "copy_", "cos", "sin")
+        # which the BPU table lacks, and the cache writes themselves); eq/le compare positions
+        # (the cache-write one-hot, a causal mask built in the graph)
+        allowed = ("embedding", "int64", "eq.Tensor", "le.Tensor", "index_select", "copy_",
+                   "cos", "sin")
         odd = [why for why in r.cpu_reasons if not any(a in why for a in allowed)]
         assert not odd, odd
 
@@ -486,3 +488,66 @@ def test_step_counters_config_is_set_only_for_a_cache_that_counts_in_python(slid
     del cache
     gc.collect()
     assert ref() is None
+
+
+def _prompt(model, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, n), generator=g)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gpt2"])
+def test_any_prompt_length_reuses_the_compiled_prefill(name, opts):
+    """A new prompt length used to be a new prefill graph (seconds of compile each, eager past
+    Dynamo's recompile limit). Now the first length is the compiled chunk: shorter prompts and
+    a longer prompt's tail run eagerly, its chunks reuse the graph. GPT-2 reads absolute
+    positions, so a chunk at the wrong offset would change its tokens."""
+    model, _ = _model(name)
+    lengths = [8, 3, 13, 1, 8, 21, 16, 5, 24]
+    prompts = [_prompt(model, n, seed=n) for n in lengths]
+    expected = [_generate(model, p, cache_implementation="static") for p in prompts]
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=40, options=opts)
+    graphs = []
+    for p, e in zip(prompts, expected, strict=True):
+        assert torch.equal(_generate(model, p), e), p.shape
+        graphs.append(len(_new_reports(before)))
+    # prefill (the first prompt, 8 tokens) and decode; a chunk after the first one (from 16
+    # tokens on: 21 = 8 + 8 + a 5-token tail) reads an explicit mask HF leaves out at position
+    # 0: one graph more, once
+    assert graphs == [2, 2, 2, 2, 2, 3, 3, 3, 3], graphs
+    for r in _new_reports(before):
+        assert len(r.regions) == 1 and r.regions[0].fallback is None, str(r)
+
+
+def test_prompt_chunks_keep_eager_tokens_for_a_padded_batch(opts):
+    """Left padding: HF slices the mask per chunk; batch 2, rows of different lengths."""
+    model, _ = _model("llama")
+    ids = _prompt(model, 13, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second row is an 8-token prompt, left-padded
+    expected = _generate(model, ids, attention_mask=mask, cache_implementation="static")
+    compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=4)
+    before = len(fxpass.compile_reports())
+    assert torch.equal(_generate(model, ids, attention_mask=mask), expected)
+    # 13 = 4 + 4 + 4 (chunks) + 1 (the tail, a decode-shaped step); with padding HF passes
+    # every chunk an explicit mask, so the first chunk and the later ones share a graph
+    assert len(_new_reports(before)) == 2
+
+
+def test_prefill_chunk_none_per_call_compiles_the_exact_length(opts):
+    """``prefill_chunk_size=None`` in a generate() call opts out: the old exact-length graph."""
+    model, _ = _model("qwen3")
+    a, b = _prompt(model, 8), _prompt(model, 11, seed=1)
+    expected = _generate(model, b, cache_implementation="static")
+    compile_for_generate(model, max_cache_len=40, options=opts)
+    before = len(fxpass.compile_reports())
+    _generate(model, a)
+    assert torch.equal(_generate(model, b, prefill_chunk_size=None), expected)
+    assert len(_new_reports(before)) == 3  # 8-token prefill, decode, 11-token prefill
+
+
+def test_compile_for_generate_rejects_bad_prefill_chunk():
+    model, _ = _model("qwen3")
+    for bad in (0, -2, True, 2.0, 17):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            compile_for_generate(model, max_cache_len=16, prefill_chunk=bad)
