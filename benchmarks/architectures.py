@@ -67,8 +67,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 #: what may stay on the CPU (issue 8): the embedding, integer index arithmetic, the rotary
 #: tables (cos/sin depend only on positions) and the cache writes themselves
-ALLOWED = ("embedding", "int64", "eq.Tensor", "index_select", "copy_", "cos", "sin",
-           "symbolic scalar")
+#: CPU reasons that are the embedding and integer index arithmetic (eq/le compare positions:
+#: the cache-write one-hot, a causal mask the graph builds from the cache positions)
+ALLOWED = ("embedding", "int64", "eq.Tensor", "le.Tensor", "index_select", "copy_", "cos",
+           "sin", "symbolic scalar")
 CLASSES = {"Gemma3Text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 _TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -346,6 +348,35 @@ def _generate_pair(model: Any, inputs: dict[str, Any], new_tokens: int) -> tuple
     return expected, got, fxpass.compile_reports()[before:], w
 
 
+def _longer_prompt(model: Any, new_tokens: int, graphs_before: int) -> dict[str, Any]:
+    """An 11-token prompt after the 4-token one, on the compiled model: eager's tokens, and
+    the graphs it added (the later-chunk graph at most; more would be a per-length compile)."""
+    import torch
+
+    import fxpass
+    from fxpass.backends.bpu.generation import UNCOMPILED
+
+    ids = torch.randint(3, 500, (1, 11), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    before = len(fxpass.compile_reports())
+    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = model.generate(ids, **kw)
+        # the model's own forward and generate, under the same static cache of 64
+        forward, model.forward = model.forward, getattr(model.forward, UNCOMPILED)
+        try:
+            expected = getattr(model.generate, UNCOMPILED)(ids, **kw)
+        finally:
+            model.forward = forward
+    return {
+        "longer_prompt_match": bool(torch.equal(got, expected)),
+        "longer_prompt_graphs": len(fxpass.compile_reports()) - before,
+        "longer_prompt_regions": [len(r.regions) for r in fxpass.compile_reports()[before:]],
+        "longer_prompt_warnings": sorted({str(x.message)[:200] for x in w
+                                          if "fxpass" in str(x.message)}),
+    }
+
+
 def seq2seq_one(family: str, new_tokens: int) -> dict[str, Any]:
     """One encoder-decoder family: ``generate()`` against eager at the same cache length."""
     import torch
@@ -361,8 +392,11 @@ def seq2seq_one(family: str, new_tokens: int) -> dict[str, Any]:
     return _summary(family, match, reports, w)
 
 
-def one(family: str, new_tokens: int, dtype: str = "float32") -> dict[str, Any]:
-    """Run one family in this process (the parent runs each in a child)."""
+def one(family: str, new_tokens: int, dtype: str = "float32", longer: bool = False
+        ) -> dict[str, Any]:
+    """Run one family in this process (the parent runs each in a child). ``longer`` (fp32
+    decoders): then an 11-token prompt too, which the 4-token compiled prefill takes as two
+    chunks and an eager 3-token tail (``backends/bpu/prefill.py``)."""
     if family in FORWARD:
         return forward_one(family)
     if family in SEQ2SEQ:
@@ -375,7 +409,10 @@ def one(family: str, new_tokens: int, dtype: str = "float32") -> dict[str, Any]:
         model = model.to(torch.bfloat16)
     expected, got, reports, w = _generate_pair(model, {"input_ids": ids}, new_tokens)
     if not bf16:
-        return _summary(family, torch.equal(got.sequences, expected.sequences), reports, w)
+        out = _summary(family, torch.equal(got.sequences, expected.sequences), reports, w)
+        if longer:
+            out.update(_longer_prompt(model, new_tokens, len(reports)))
+        return out
     # BF16: the regions compute in float32 (more accurate than eager's BF16 steps), so later
     # tokens may take the other side of a near-tie. Checked: the first new token, and the
     # first step's finite logits within BF16 tolerances.
@@ -394,12 +431,14 @@ def one(family: str, new_tokens: int, dtype: str = "float32") -> dict[str, Any]:
     return _summary(family, match, reports, w)
 
 
-def run(families: list[str], new_tokens: int, dtype: str = "float32") -> list[dict[str, Any]]:
+def run(families: list[str], new_tokens: int, dtype: str = "float32", longer: bool = True
+        ) -> list[dict[str, Any]]:
     rows = []
     for fam in families:
         print(f"[architectures] {fam} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "benchmarks.architectures", "--child", fam,
                "--new-tokens", str(new_tokens), "--dtype", dtype]
+        cmd += ["--longer-prompt"] if longer else []
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
             line = [x for x in p.stdout.splitlines() if x.startswith("{")]
@@ -449,11 +488,23 @@ def _table(rows: list[dict[str, Any]], match: str) -> str:
             match: "yes" if r["tokens_match"] else "**NO**",
             "graphs": r["graphs"],
             "regions/graph": r["regions_per_graph"],
+            "11-token prompt": _longer_cell(r),
             "other CPU ops": "; ".join(r["other_cpu_ops"])[:160] or "-",
-            "note": "; ".join(r["warnings"])[:160] or "",
+            "note": "; ".join(r["warnings"] + r.get("longer_prompt_warnings", []))[:160] or "",
         })
     cols = ["family", match, "graphs", "regions/graph", "other CPU ops", "note"]
+    if any("longer_prompt_match" in r for r in rows):
+        cols.insert(4, "11-token prompt")
     return harness.markdown_table(table, cols)
+
+
+def _longer_cell(r: dict[str, Any]) -> str:
+    """"= eager, +1 graph(s) [1]" (regions per new graph) for the second prompt's check;
+    "-" where it did not run."""
+    if "longer_prompt_match" not in r:
+        return "-"
+    ok = "= eager" if r["longer_prompt_match"] else "**NO**"
+    return f"{ok}, +{r['longer_prompt_graphs']} graph(s) {r['longer_prompt_regions']}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -462,11 +513,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="decoders only: bfloat16 writes architectures-bf16.{json,md}")
+    ap.add_argument("--no-longer-prompt", dest="longer", action="store_false",
+                    help="skip the 11-token second prompt (prompt chunks) of fp32 decoders")
+    ap.add_argument("--longer-prompt", dest="longer", action="store_true",
+                    help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(one(args.child, args.new_tokens, args.dtype)))
+        print(json.dumps(one(args.child, args.new_tokens, args.dtype, args.longer)))
         return
     from benchmarks import harness
 
@@ -475,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(families) - set(known))
     if unknown:
         ap.error(f"unknown families {unknown}; choose from {sorted(known)}")
-    rows = run(families, args.new_tokens, args.dtype)
+    rows = run(families, args.new_tokens, args.dtype, args.longer)
     data = {"env": harness.environment(), "new_tokens": args.new_tokens, "dtype": args.dtype,
             "results": rows}
     stem = "architectures" + ("-bf16" if args.dtype == "bfloat16" else "")

@@ -10,7 +10,7 @@ graphs (prefill and decode), one region each.
 :func:`compile_for_generate` sets that up, with a fixed ``max_cache_len`` so calls with other
 ``max_new_tokens`` (up to the ceiling) reuse the same two graphs instead of recompiling, and
 one compiled prompt length that prompts of every other length reuse through HF's chunked
-prefill (:class:`_Prefill`) instead of compiling per length.
+prefill (``prefill.PrefillChunks``) instead of compiling per length.
 :func:`growing_state` recognises the dynamic-cache pattern so the backend can warn once.
 
 Sliding-window layers (Gemma 2/3, Mistral and Qwen2 with a window, Exaone 4, ...) keep a Python
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from fxpass.backends.bpu.prefill import PrefillChunks, dense, runs_eagerly
 from fxpass.graph import FROZEN
 
 aten = torch.ops.aten
@@ -106,8 +107,9 @@ def compile_for_generate(
     ``generate()`` call that fits reuses the same decode graph. ``loop_threads``: torch's
     thread count for HF's loop between two steps of ``generate()`` (None: the caller's); see
     :func:`_loop_on_threads`. ``prefill_chunk``: the one prompt length that gets a compiled
-    prefill graph; longer prompts run in chunks of it and what is left over runs eagerly (see
-    :class:`_Prefill`). None: the first ``generate()``'s prompt length. Returns ``model``.
+    prefill graph; longer prompts run in chunks of it and what is left over runs eagerly
+    (``prefill.PrefillChunks``). None: the first ``generate()``'s prompt length. Returns
+    ``model``.
     """
     if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or (
             max_cache_len <= 0):
@@ -143,7 +145,7 @@ def compile_for_generate(
     compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False,
                              options=dict(options or {}))
     state = _GenerateState(loop_threads)
-    prefill = _Prefill(prefill_chunk)
+    prefill = PrefillChunks(prefill_chunk)
     model.forward = _step_counters_symbolic(compiled, forward, state)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
     model.generate = _loop_on_threads(generate, state, prefill)
@@ -177,83 +179,41 @@ class _GenerateState(threading.local):
         #: tokens in a Python int (``_step_counters_symbolic``)
         self.cache: Callable[[], Any] = _NONE
         self.counters = True  # until a cache is seen
-        #: inside generate(): the prompt length that runs compiled (:class:`_Prefill`); None
+        #: inside generate(): the prompt length that runs compiled (``PrefillChunks``); None
         #: outside, where the forward compiles every length as torch.compile would
         self.prefill: int | None = None
         self.depth = 0  # generate() calls running on this thread (an assistant's nests)
+        self.forwards = 0  # forward calls that returned in the running generate()
 
 
-class _Prefill:
-    """Which prompt length gets a compiled prefill graph, for one ``compile_for_generate``.
-
-    Why: shapes are static, so each new prompt length was a new prefill graph: 3-4 s of
-    compile per length (Qwen3 4x512), and past Dynamo's recompile limit (eight graphs) every
-    new length ran eagerly with only Dynamo's log line to say so. A chat sends a new length
-    with every message.
-
-    One length, ``chunk``, is compiled (the first ``generate()``'s prompt length unless the
-    caller chose it). Every prompt runs through HF's own chunked prefill
-    (``prefill_chunk_size``; HF slices the ids, positions and masks per chunk): its chunks of
-    ``chunk`` tokens reuse the compiled graph, and the tail shorter than a chunk runs the
-    model's own forward eagerly, as does a prompt shorter than a chunk. So ``generate()``
-    stays at two graphs (prefill and decode) whatever the prompts, and nothing it computes
-    eagerly differs from eager. A caller who sets HF's ``prefill_chunk_size`` keeps it: that
-    length is then the compiled one."""
-
-    def __init__(self, chunk: int | None):
-        self.chunk = chunk
-
-    def arrange(self, model: Any, args: tuple, kwargs: dict) -> int | None:
-        """The compiled prompt length for this ``generate()`` call (None: compile every
-        length, as before), adding HF's ``prefill_chunk_size`` to ``kwargs`` when the prompt
-        is longer than a chunk."""
-        cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        if "prefill_chunk_size" in kwargs:
-            return kwargs["prefill_chunk_size"]
-        if getattr(cfg, "prefill_chunk_size", None) is not None:
-            return cfg.prefill_chunk_size
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            return None  # its prompt is the encoder's; the decoder starts from one token
-        if kwargs.get("inputs_embeds") is not None:
-            return None  # HF chunks prompts of ids only
-        n = _prompt_length(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")),
-                           None)
-        if n is None:
-            return None
-        if self.chunk is None:
-            self.chunk = n
-        # always, also for a prompt of one chunk or less: HF then initializes the cache before
-        # the first forward, so every prefill call finds the same cache state (a lazily
-        # initialized one traced differently: one more graph)
-        kwargs["prefill_chunk_size"] = self.chunk
-        return self.chunk
-
-
-def _prompt_length(ids: Any, embeds: Any) -> int | None:
-    """Tokens per sequence in a prompt of ids ``[B, S]`` or embeddings ``[B, S, H]``."""
-    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        return ids.shape[-1]
-    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
-        return embeds.shape[1]
-    return None
-
-
-def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: _Prefill) -> Callable:
+def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillChunks) -> Callable:
     """``generate`` that runs HF's loop on ``loop.threads`` torch threads (between the model's
     forward calls, which get the caller's count back) and restores the caller's count when it
-    returns or raises; and that tells the forward which prompt length runs compiled
-    (:class:`_Prefill`)."""
+    returns or raises; that tells the forward which prompt length runs compiled
+    (``prefill.PrefillChunks``); and that runs a call again without chunks when HF's chunked
+    prefill fails before its last prefill call returned."""
 
     @functools.wraps(generate, updated=())
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if loop.depth:  # nested in a generate() (an assistant's): the outer one's settings
             return generate(*args, **kwargs)
-        loop.prefill = prefill.arrange(getattr(generate, "__self__", None), args, kwargs)
-        loop.depth += 1
+        model = getattr(generate, "__self__", None)
+        loop.prefill, calls = prefill.arrange(model, args, kwargs)
+        loop.depth, loop.forwards = loop.depth + 1, 0
         if loop.threads is not None:
             loop.caller = torch.get_num_threads()
         try:
-            return generate(*args, **kwargs)
+            try:
+                out = generate(*args, **kwargs)
+            except Exception as e:
+                if loop.forwards >= calls:  # not ours to retry (or no chunks of ours)
+                    raise
+                prefill.give_up(model, e)
+                del kwargs["prefill_chunk_size"]
+                loop.prefill = None
+                return generate(*args, **kwargs)
+            prefill.proven |= calls > 0
+            return out
         finally:
             if loop.caller is not None:
                 torch.set_num_threads(loop.caller)
@@ -285,11 +245,11 @@ def _step_counters_symbolic(
     @functools.wraps(original, updated=())
     def forward(*args: Any, **kwargs: Any) -> Any:
         if state.prefill is not None:
-            n = _prompt_length(args[0] if args else kwargs.get("input_ids"),
-                               kwargs.get("inputs_embeds"))
-            if n is not None and n != 1 and n != state.prefill:  # a tail, or a short prompt
-                return _with_threads(state, original, args, kwargs)
-            kwargs = _dense(kwargs)
+            if runs_eagerly(state.prefill, args, kwargs):  # a prompt's tail, a short prompt
+                out = _with_threads(state, original, args, kwargs)
+                state.forwards += 1
+                return out
+            kwargs = dense(kwargs)
         cache = kwargs.get("past_key_values")
         if cache is None:  # nothing to look at: the always-safe path
             counters = True
@@ -304,7 +264,9 @@ def _step_counters_symbolic(
         if caller is not None:  # inside generate(): the step gets the caller's threads
             torch.set_num_threads(caller)
         try:
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+            state.forwards += 1
+            return out
         finally:
             if counters:
                 config.dynamic_sources = old
@@ -315,23 +277,6 @@ def _step_counters_symbolic(
     # which arguments generate() passes, logits_to_keep among them)
     setattr(forward, UNCOMPILED, original)
     return forward
-
-
-def _dense(kwargs: dict) -> dict:
-    """``kwargs`` with each tensor that was sliced along its last dim copied to row-major
-    strides. Why: HF slices a chunk's positions out of the whole prompt's, so a ``[1, 32]``
-    chunk has stride 40 for a 40-token prompt and 50 for a 50-token one (and a one-token tail,
-    run by the decode graph, stride 33); Dynamo guards strides, so each prompt length was a
-    new graph (found by a probe). Only that slicing is checked (a per-step cost; HF builds its
-    masks fresh); the same dict when nothing needs it."""
-    def sliced(v: Any) -> bool:
-        return (isinstance(v, torch.Tensor) and v.dim() >= 2
-                and (v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]))
-
-    if not any(sliced(v) for v in kwargs.values()):
-        return kwargs
-    return {k: v.clone(memory_format=torch.contiguous_format) if sliced(v) else v
-            for k, v in kwargs.items()}
 
 
 def _with_threads(state: _GenerateState, fn: Callable, args: tuple, kwargs: dict) -> Any:

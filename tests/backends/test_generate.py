@@ -551,3 +551,48 @@ def test_compile_for_generate_rejects_bad_prefill_chunk():
     for bad in (0, -2, True, 2.0, 17):
         with pytest.raises(ValueError, match="prefill_chunk"):
             compile_for_generate(model, max_cache_len=16, prefill_chunk=bad)
+
+
+def _falcon_chunked_prefill_fails(model, ids) -> bool:
+    """transformers 5.23 sizes Falcon's (multi-query, new decoder) early-initialized static
+    cache with the wrong head count, so its own chunked prefill fails, eagerly too."""
+    try:
+        _generate(model, ids, n=2, cache_implementation="static", prefill_chunk_size=4)
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_a_model_whose_chunked_prefill_fails_runs_again_without_chunks(opts):
+    from benchmarks.architectures import _build
+    from fxpass.backends.bpu.prefill import PrefillChunkWarning
+
+    model, _ = _build("Falcon")
+    a, b = _prompt(model, 8), _prompt(model, 11, seed=1)
+    hf_fails = _falcon_chunked_prefill_fails(model, a)
+    expected = [_generate(model, p, cache_implementation="static") for p in (a, b)]
+    compile_for_generate(model, max_cache_len=40, options=opts)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = [_generate(model, p) for p in (a, b)]
+    assert all(torch.equal(x, e) for x, e in zip(got, expected, strict=True))
+    ours = [x for x in w if issubclass(x.category, PrefillChunkWarning)]
+    if hf_fails:  # once, naming the model and HF's error; the second prompt does not try again
+        assert len(ours) == 1, [str(x.message) for x in w]
+        assert "FalconForCausalLM" in str(ours[0].message)
+        assert "index_copy_" in str(ours[0].message)
+    else:  # fixed in transformers: chunks stay on
+        assert not ours, [str(x.message) for x in ours]
+
+
+def test_an_error_after_the_prefill_is_not_retried(opts):
+    """Only a failure inside the chunked prefill runs generate() again: a logits processor
+    that raises at the third step raises once, after three calls, not six."""
+    from transformers import LogitsProcessorList
+
+    model, ids = _model("qwen3")
+    compile_for_generate(model, max_cache_len=32, options=opts)
+    spy = _ThreadSpy(3)
+    with pytest.raises(RuntimeError, match="spy stops"):
+        _generate(model, ids, logits_processor=LogitsProcessorList([spy]))
+    assert len(spy.seen) == 3

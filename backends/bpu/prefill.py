@@ -1,0 +1,130 @@
+"""Prompts of any length on one compiled prefill graph, through HF's chunked prefill.
+
+Shapes are static, so each new prompt length was a new prefill graph: 3-4 s of compile per
+length (Qwen3 4 x 512), and past Dynamo's recompile limit (eight graphs per function) every new
+length ran its prefill eagerly, with only Dynamo's log line to say so. A chat sends a new
+length with every message.
+
+:class:`PrefillChunks` compiles one length, the *chunk* (the first ``generate()``'s prompt
+length unless the caller chose it). Every prompt runs through HF's own chunked prefill
+(``prefill_chunk_size``, passed per call; HF slices the ids, positions and masks per chunk):
+chunks of the compiled length reuse its graph, and the tail shorter than a chunk (and a prompt
+shorter than a chunk) runs the model's own forward eagerly, so nothing computed eagerly differs
+from eager. The forward side is :func:`runs_eagerly` and :func:`dense`, called by
+``generation._step_counters_symbolic``.
+
+HF's chunked prefill is not right for every architecture (transformers 5.23 sizes Falcon's
+early-initialized cache with the wrong head count). A ``generate()`` whose prefill fails with
+chunks is run again without them, with one warning, and that model keeps compiling each
+prompt length as before.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import torch
+
+
+class PrefillChunkWarning(UserWarning):
+    """HF's chunked prefill failed on this model: each prompt length compiles its own graph."""
+
+
+class PrefillChunks:
+    """Which prompt length gets a compiled prefill graph, for one ``compile_for_generate``.
+
+    A caller who sets HF's ``prefill_chunk_size`` (generation config or per call) keeps it,
+    and that length is the compiled one; ``prefill_chunk_size=None`` in a call compiles that
+    prompt's exact length."""
+
+    def __init__(self, chunk: int | None):
+        self.chunk = chunk
+        #: why chunks are off for this model (HF's chunked prefill failed on it), or None
+        self.off: str | None = None
+        #: a generate() with our chunks has returned on this model
+        self.proven = False
+
+    def arrange(self, model: Any, args: tuple, kwargs: dict) -> tuple[int | None, int]:
+        """For this ``generate()`` call: the prompt length that runs compiled (None: every
+        length compiles, as before) and how many prefill calls the chunks take if this added
+        ``prefill_chunk_size`` to ``kwargs`` (0 if it did not)."""
+        cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        if "prefill_chunk_size" in kwargs:
+            return kwargs["prefill_chunk_size"], 0
+        if getattr(cfg, "prefill_chunk_size", None) is not None:
+            return cfg.prefill_chunk_size, 0
+        if (self.off is not None
+                or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+                or kwargs.get("inputs_embeds") is not None  # HF chunks prompts of ids only
+                # a failed first try would have streamed the prompt already
+                or (kwargs.get("streamer") is not None and not self.proven)):
+            return None, 0
+        n = prompt_length(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")))
+        if n is None:
+            return None, 0
+        if self.chunk is None:
+            self.chunk = n
+        # always, also for a prompt of one chunk or less: HF then initializes the cache before
+        # the first forward, so every prefill call finds the same cache state (a lazily
+        # initialized one is traced differently: one more graph)
+        kwargs["prefill_chunk_size"] = self.chunk
+        return self.chunk, -(-n // self.chunk)
+
+    def give_up(self, model: Any, err: Exception) -> None:
+        """HF's chunked prefill failed on ``model``: chunks off for it, one warning."""
+        why = _root_cause(err)
+        self.off = why
+        warnings.warn(
+            f"fxpass_bpu: transformers' chunked prefill failed on {type(model).__name__} "
+            f"({why}); this generate() ran again without chunks, and from now on each new "
+            "prompt length compiles its own prefill graph (seconds each; past Dynamo's "
+            "recompile limit, eagerly). Tokens are unaffected",
+            PrefillChunkWarning, stacklevel=3,
+        )
+
+
+#: Dynamo's wording for the model's own error met while tracing with fake tensors
+_DYNAMO_GOT = re.compile(r"got (\w+(?:Error|Exception))\((['\"])(.*?)\2\)")
+
+
+def _root_cause(err: Exception) -> str:
+    """The model's own error in one line: Dynamo reports it inside its message
+    (``... got RuntimeError('index_copy_(): ...')``), not as a cause."""
+    m = _DYNAMO_GOT.search(str(err))
+    text = f"{m.group(1)}: {m.group(3)}" if m else f"{type(err).__name__}: {err}"
+    return text.splitlines()[0][:300]
+
+
+def prompt_length(ids: Any, embeds: Any = None) -> int | None:
+    """Tokens per sequence in a prompt of ids ``[B, S]`` or embeddings ``[B, S, H]``."""
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids.shape[-1]
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+        return embeds.shape[1]
+    return None
+
+
+def runs_eagerly(compiled_length: int, args: tuple, kwargs: dict) -> bool:
+    """Whether a forward call inside ``generate()`` is a prompt (or a prompt's tail) of
+    another length than the compiled one (a one-token tail runs the decode graph)."""
+    n = prompt_length(args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
+    return n is not None and n != 1 and n != compiled_length
+
+
+def dense(kwargs: dict) -> dict:
+    """``kwargs`` with each tensor that was sliced along its last dim copied to row-major
+    strides. Why: HF slices a chunk's positions out of the whole prompt's, so a ``[1, 32]``
+    chunk has stride 40 for a 40-token prompt and 50 for a 50-token one (and a one-token tail,
+    run by the decode graph, stride 33); Dynamo guards strides, so each prompt length was a
+    new graph (found by a probe). Only that slicing is checked (a per-step cost: 3 us; HF
+    builds its masks fresh); the same dict when nothing needs it."""
+    def sliced(v: Any) -> bool:
+        return (isinstance(v, torch.Tensor) and v.dim() >= 2
+                and (v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]))
+
+    if not any(sliced(v) for v in kwargs.values()):
+        return kwargs
+    return {k: v.clone(memory_format=torch.contiguous_format) if sliced(v) else v
+            for k, v in kwargs.items()}
