@@ -58,6 +58,8 @@ class PrefillChunks:
         if (self.off is not None
                 or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
                 or kwargs.get("inputs_embeds") is not None  # HF chunks prompts of ids only
+                # a cache to continue: HF prefills only the new ids, so the count below is off
+                or kwargs.get("past_key_values") is not None
                 # a failed first try would have streamed the prompt already
                 or (kwargs.get("streamer") is not None and not self.proven)):
             return None, 0

@@ -596,3 +596,33 @@ def test_an_error_after_the_prefill_is_not_retried(opts):
     with pytest.raises(RuntimeError, match="spy stops"):
         _generate(model, ids, logits_processor=LogitsProcessorList([spy]))
     assert len(spy.seen) == 3
+
+
+class _Streamer:
+    """HF's streamer protocol (``put`` then ``end``), recording what it is sent."""
+
+    def __init__(self):
+        self.puts: list[torch.Tensor] = []
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        pass
+
+
+def test_a_streamer_never_sees_a_retried_prompt(opts):
+    """Falcon's chunked prefill fails in transformers 5.23; a retry would stream the prompt a
+    second time, so a streamer's call is not chunked until a chunked call has worked."""
+    from benchmarks.architectures import _build
+
+    model, _ = _build("Falcon")
+    ids = _prompt(model, 8)
+    expected = _generate(model, ids, cache_implementation="static")
+    compile_for_generate(model, max_cache_len=40, options=opts)
+    streamer = _Streamer()
+    got = _generate(model, ids, streamer=streamer)
+    assert torch.equal(got, expected)
+    assert torch.equal(streamer.puts[0], ids)  # the prompt, once
+    assert torch.equal(torch.cat([p.reshape(-1) for p in streamer.puts[1:]]),
+                       got[0, ids.shape[1]:])
