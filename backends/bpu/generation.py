@@ -183,6 +183,7 @@ class _GenerateState(threading.local):
         #: outside, where the forward compiles every length as torch.compile would
         self.prefill: int | None = None
         self.depth = 0  # generate() calls running on this thread (an assistant's nests)
+        self.entered = 0  # forward calls begun in the running generate()
         self.forwards = 0  # forward calls that returned in the running generate()
 
 
@@ -199,19 +200,22 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
             return generate(*args, **kwargs)
         model = getattr(generate, "__self__", None)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
-        loop.depth, loop.forwards = loop.depth + 1, 0
+        loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
         if loop.threads is not None:
             loop.caller = torch.get_num_threads()
         try:
             try:
                 out = generate(*args, **kwargs)
             except Exception as e:
-                if loop.forwards >= calls:  # not ours to retry (or no chunks of ours)
+                # only inside a forward call of our chunked prefill; before any (a bad
+                # argument) or after the prefill, the error is the caller's (found in review)
+                if not calls or not loop.entered or loop.forwards >= calls:
                     raise
-                prefill.give_up(model, e)
                 del kwargs["prefill_chunk_size"]
                 loop.prefill = None
-                return generate(*args, **kwargs)
+                out = generate(*args, **kwargs)  # raising too: the caller's error after all
+                prefill.give_up(model, e)
+                return out
             prefill.proven |= calls > 0
             return out
         finally:
@@ -244,6 +248,7 @@ def _step_counters_symbolic(
 
     @functools.wraps(original, updated=())
     def forward(*args: Any, **kwargs: Any) -> Any:
+        state.entered += 1
         if state.prefill is not None:
             if runs_eagerly(state.prefill, args, kwargs):  # a prompt's tail, a short prompt
                 out = _with_threads(state, original, args, kwargs)

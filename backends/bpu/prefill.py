@@ -14,9 +14,11 @@ from eager. The forward side is :func:`runs_eagerly` and :func:`dense`, called b
 ``generation._step_counters_symbolic``.
 
 HF's chunked prefill is not right for every architecture (transformers 5.23 sizes Falcon's
-early-initialized cache with the wrong head count). A ``generate()`` whose prefill fails with
-chunks is run again without them, with one warning, and that model keeps compiling each
-prompt length as before.
+early-initialized cache with the wrong head count). A ``generate()`` that fails inside a forward
+call of its chunked prefill is run again without chunks; if that works, one warning, and that
+model keeps compiling each prompt length as before. An error before any forward call (a bad
+argument) or after the prefill, or one the unchunked run raises too, is the caller's: raised
+as it is, chunks stay on.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class PrefillChunks:
 
     def __init__(self, chunk: int | None):
         self.chunk = chunk
+        self.auto = chunk is None  # chosen from the prompts, not by the caller
         #: why chunks are off for this model (HF's chunked prefill failed on it), or None
         self.off: str | None = None
         #: a generate() with our chunks has returned on this model
@@ -57,6 +60,11 @@ class PrefillChunks:
             return cfg.prefill_chunk_size, 0
         if (self.off is not None
                 or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+                # HF chunks only into a cache, and returns only the last chunk's prefill
+                # states: what the caller asked for would change (found in review)
+                or _asked(kwargs, cfg, "use_cache", True) is False
+                or _asked(kwargs, cfg, "output_hidden_states", False)
+                or _asked(kwargs, cfg, "output_attentions", False)
                 or kwargs.get("inputs_embeds") is not None  # HF chunks prompts of ids only
                 # a cache to continue: HF prefills only the new ids, so the count below is off
                 or kwargs.get("past_key_values") is not None
@@ -66,7 +74,9 @@ class PrefillChunks:
         n = prompt_length(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")))
         if n is None:
             return None, 0
-        if self.chunk is None:
+        if self.chunk is None or (self.auto and self.chunk < MIN_AUTO_CHUNK <= n):
+            # the first prompt; once more if that was a warm-up of a few tokens, which as the
+            # chunk would cut every later prompt into that many calls (found in review)
             self.chunk = n
         # always, also for a prompt of one chunk or less: HF then initializes the cache before
         # the first forward, so every prefill call finds the same cache state (a lazily
@@ -75,7 +85,8 @@ class PrefillChunks:
         return self.chunk, -(-n // self.chunk)
 
     def give_up(self, model: Any, err: Exception) -> None:
-        """HF's chunked prefill failed on ``model``: chunks off for it, one warning."""
+        """HF's chunked prefill failed on ``model`` where the same call without chunks
+        worked: chunks off for it, one warning."""
         why = _root_cause(err)
         self.off = why
         warnings.warn(
@@ -85,6 +96,15 @@ class PrefillChunks:
             "recompile limit, eagerly). Tokens are unaffected",
             PrefillChunkWarning, stacklevel=3,
         )
+
+
+#: an automatic chunk shorter than this is chosen again from the first prompt this long
+MIN_AUTO_CHUNK = 16
+
+
+def _asked(kwargs: dict, cfg: Any, name: str, default: Any) -> Any:
+    """A ``generate()`` option as HF resolves it: the call's keyword, else the config's."""
+    return kwargs[name] if name in kwargs else getattr(cfg, name, default)
 
 
 #: Dynamo's wording for the model's own error met while tracing with fake tensors

@@ -498,15 +498,15 @@ def _prompt(model, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["qwen3", "gpt2"])
 def test_any_prompt_length_reuses_the_compiled_prefill(name, opts):
     """A new prompt length used to be a new prefill graph (seconds of compile each, eager past
-    Dynamo's recompile limit). Now the first length is the compiled chunk: shorter prompts and
-    a longer prompt's tail run eagerly, its chunks reuse the graph. GPT-2 reads absolute
+    Dynamo's recompile limit). Now one length is the compiled chunk: shorter prompts and a
+    longer prompt's tail run eagerly, its chunks reuse the graph. GPT-2 reads absolute
     positions, so a chunk at the wrong offset would change its tokens."""
     model, _ = _model(name)
     lengths = [8, 3, 13, 1, 8, 21, 16, 5, 24]
     prompts = [_prompt(model, n, seed=n) for n in lengths]
     expected = [_generate(model, p, cache_implementation="static") for p in prompts]
     before = len(fxpass.compile_reports())
-    compile_for_generate(model, max_cache_len=40, options=opts)
+    compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=8)
     graphs = []
     for p, e in zip(prompts, expected, strict=True):
         assert torch.equal(_generate(model, p), e), p.shape
@@ -626,3 +626,63 @@ def test_a_streamer_never_sees_a_retried_prompt(opts):
     assert torch.equal(streamer.puts[0], ids)  # the prompt, once
     assert torch.equal(torch.cat([p.reshape(-1) for p in streamer.puts[1:]]),
                        got[0, ids.shape[1]:])
+
+
+def _prefill_calls(model, ids) -> list[int]:
+    """Tokens per forward call of one generate() (the decode steps are the 1s at the end)."""
+    compiled, calls = model.forward, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[-1])
+        return compiled(*args, **kwargs)
+
+    model.forward = spy
+    try:
+        _generate(model, ids, n=2)
+    finally:
+        model.forward = compiled
+    return calls
+
+
+def test_the_automatic_chunk_is_chosen_again_after_a_warm_up_prompt(opts):
+    """From the review: a one-token warm-up fixed the chunk at 1 for the model's life, and a
+    30-token prompt then ran as 30 calls."""
+    model, _ = _model("qwen3")
+    compile_for_generate(model, max_cache_len=64, options=opts)
+    assert _prefill_calls(model, _prompt(model, 1)) == [1, 1]
+    assert _prefill_calls(model, _prompt(model, 30, seed=1)) == [30, 1]
+    assert _prefill_calls(model, _prompt(model, 40, seed=2)) == [30, 10, 1]  # chosen once
+
+
+def test_an_error_before_any_forward_call_is_not_retried_and_keeps_chunks(opts):
+    """From the review: a bad argument raised twice, blamed HF's chunked prefill and turned
+    chunks off for good."""
+    from fxpass.backends.bpu.prefill import PrefillChunkWarning
+
+    model, _ = _model("qwen3")
+    compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=8)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="bogus"):
+            _generate(model, _prompt(model, 8), bogus=1)
+    assert not [x for x in w if issubclass(x.category, PrefillChunkWarning)]
+    assert _prefill_calls(model, _prompt(model, 20, seed=1)) == [8, 8, 4, 1]  # still chunked
+
+
+@pytest.mark.parametrize("option", ["use_cache", "output_hidden_states"])
+def test_options_chunks_would_change_are_left_unchunked(option, opts):
+    """HF chunks only into a cache (use_cache=False raised inside HF), and returns only the
+    last chunk's prefill hidden states: those calls keep the exact length."""
+    model, _ = _model("qwen3")
+    ids = _prompt(model, 13)
+    kw = {"use_cache": False} if option == "use_cache" else {
+        "output_hidden_states": True, "return_dict_in_generate": True}
+    expected = _generate(model, ids, cache_implementation="static", **kw)
+    compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=8)
+    got = _generate(model, ids, **kw)
+    if option == "use_cache":
+        assert torch.equal(got, expected)
+    else:
+        assert torch.equal(got.sequences, expected.sequences)
+        assert [h.shape for h in got.hidden_states[0]] == [
+            h.shape for h in expected.hidden_states[0]]
