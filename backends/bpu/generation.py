@@ -238,9 +238,10 @@ def _step_counters_symbolic(
     the calls that can need it rather than for the whole process: other compiles keep their
     own setting. Only a cache that counts tokens in a Python int (:func:`_counts_in_python`,
     decided once per cache object, so once per ``generate()``) needs it; for the others the
-    config stays untouched: torch's config module is Python code, and writing it around every
-    step cost 0.19 ms per token on cold caches over a plain compiled forward, against 0.05 for
-    the wrapper now (``benchmarks.wrapper_cost``, 2026-12-03 11:47). Named and documented as
+    config stays untouched: torch's config module is Python code. ``benchmarks.wrapper_cost``
+    put writing it every step at 0.19 ms per token on cold caches once (2026-12-03 11:47) and
+    within noise in two re-runs (14:33, 14:35); the shipped wrapper was within 0.05 ms of a
+    plain compiled forward in all three. Named and documented as
     ``original``; not ``functools.wraps(compiled)``, which copied torch.compile's own
     attributes onto it, so compiling it again failed.
     """
