@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stem", default="guard_bound")
     args = ap.parse_args(argv)
     r = measure(args.model, args.new_tokens, args.repeats)
-    harness.write_results(RESULTS, args.stem, {"env": harness.environment(), **r},
-                          to_markdown(r))
+    harness.publish(RESULTS, args.stem, r, to_markdown)
 
 
 if __name__ == "__main__":

@@ -247,6 +247,13 @@ def write_results(out: str | Path, stem: str, data: Any, md: str) -> None:
     print(md)
 
 
+def publish(out: str | Path, stem: str, result: dict[str, Any],
+            to_markdown: Callable[[dict[str, Any]], str]) -> None:
+    """:func:`write_results` for a measured ``result``, stamped with the machine it ran on
+    (:func:`environment`): how the small A/B benchmarks leave theirs."""
+    write_results(out, stem, {"env": environment(), **result}, to_markdown(result))
+
+
 def _cell(v: Any) -> str:
     s = "" if v is None else str(v)
     return s.replace("|", "\\|").replace("\n", " ")

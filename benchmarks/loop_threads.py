@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     r = run(args.vocab, args.new_tokens, args.repeats)
-    harness.write_results(RESULTS, "loop_threads", {"env": harness.environment(), **r},
-                          to_markdown(r))
+    harness.publish(RESULTS, "loop_threads", r, to_markdown)
 
 
 if __name__ == "__main__":

@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stem", default="prompt_lengths")
     args = ap.parse_args(argv)
     r = run(args.prompts, args.new_tokens, args.repeats)
-    harness.write_results(RESULTS, args.stem, {"env": harness.environment(), **r},
-                          to_markdown(r))
+    harness.publish(RESULTS, args.stem, r, to_markdown)
 
 
 if __name__ == "__main__":

@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stem", default="wrapper_cost")
     args = ap.parse_args(argv)
     r = measure(args.model, args.new_tokens, args.rounds)
-    harness.write_results(RESULTS, args.stem, {"env": harness.environment(), **r},
-                          to_markdown(r))
+    harness.publish(RESULTS, args.stem, r, to_markdown)
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
             except Exception as e:
                 # only inside a forward call of our chunked prefill; before any (a bad
                 # argument) or after the prefill, the error is the caller's (found in review)
-                if not calls or not loop.entered or loop.forwards >= calls:
+                if not calls or loop.entered == loop.forwards or loop.forwards >= calls:
                     raise
                 del kwargs["prefill_chunk_size"]
                 loop.prefill = None
@@ -250,19 +250,19 @@ def _step_counters_symbolic(
     @functools.wraps(original, updated=())
     def forward(*args: Any, **kwargs: Any) -> Any:
         state.entered += 1
-        if state.prefill is not None:
-            if runs_eagerly(state.prefill, args, kwargs):  # a prompt's tail, a short prompt
-                out = _with_threads(state, original, args, kwargs)
-                state.forwards += 1
-                return out
-            kwargs = dense(kwargs)
-        cache = kwargs.get("past_key_values")
-        if cache is None:  # nothing to look at: the always-safe path
-            counters = True
+        fn, counters = compiled, False
+        if state.prefill is not None and runs_eagerly(state.prefill, args, kwargs):
+            fn = original  # a prompt's tail, or a short prompt
         else:
-            if state.cache() is not cache:  # a new cache: look at it once
-                state.cache, state.counters = _ref(cache), _counts_in_python(cache)
-            counters = state.counters
+            if state.prefill is not None:
+                kwargs = dense(kwargs)
+            cache = kwargs.get("past_key_values")
+            if cache is None:  # nothing to look at: the always-safe path
+                counters = True
+            else:
+                if state.cache() is not cache:  # a new cache: look at it once
+                    state.cache, state.counters = _ref(cache), _counts_in_python(cache)
+                counters = state.counters
         if counters:
             old = config.dynamic_sources
             config.dynamic_sources = f"{old},{STEP_COUNTERS}" if old else STEP_COUNTERS
@@ -270,7 +270,7 @@ def _step_counters_symbolic(
         if caller is not None:  # inside generate(): the step gets the caller's threads
             torch.set_num_threads(caller)
         try:
-            out = compiled(*args, **kwargs)
+            out = fn(*args, **kwargs)
             state.forwards += 1
             return out
         finally:
@@ -283,18 +283,6 @@ def _step_counters_symbolic(
     # which arguments generate() passes, logits_to_keep among them)
     setattr(forward, UNCOMPILED, original)
     return forward
-
-
-def _with_threads(state: _GenerateState, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` on the caller's torch threads when inside ``generate()``."""
-    caller = state.caller
-    if caller is None:
-        return fn(*args, **kwargs)
-    torch.set_num_threads(caller)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(state.threads)
 
 
 def _NONE() -> None:

@@ -140,8 +140,8 @@ def dense(kwargs: dict) -> dict:
     strides. Why: HF slices a chunk's positions out of the whole prompt's, so a ``[1, 32]``
     chunk has stride 40 for a 40-token prompt and 50 for a 50-token one (and a one-token tail,
     run by the decode graph, stride 33); Dynamo guards strides, so each prompt length was a
-    new graph (found by a probe). Only that slicing is checked (a per-step cost: 3 us; HF
-    builds its masks fresh); the same dict when nothing needs it."""
+    new graph (found by a probe). Only that slicing is checked (it runs every step; HF builds
+    its masks fresh); the same dict when nothing needs it."""
     def sliced(v: Any) -> bool:
         return (isinstance(v, torch.Tensor) and v.dim() >= 2
                 and (v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]))

@@ -553,9 +553,19 @@ def test_compile_for_generate_rejects_bad_prefill_chunk():
             compile_for_generate(model, max_cache_len=16, prefill_chunk=bad)
 
 
+def _own_config(config: str, cls: str, **kw):
+    """A small model from its family's own config (only sizes set): the architectures
+    benchmark's shared config sets ``num_key_value_heads`` on families that ignore it."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = getattr(tf, config)(vocab_size=512, hidden_size=64, num_hidden_layers=2, **kw)
+    return getattr(tf, cls)(cfg).eval()
+
+
 def _falcon_chunked_prefill_fails(model, ids) -> bool:
-    """transformers 5.23 sizes Falcon's (multi-query, new decoder) early-initialized static
-    cache with the wrong head count, so its own chunked prefill fails, eagerly too."""
+    """transformers 5.23 sizes Falcon's (multi-query) early-initialized static cache with the
+    wrong head count, so its own chunked prefill fails, eagerly too, on its own config."""
     try:
         _generate(model, ids, n=2, cache_implementation="static", prefill_chunk_size=4)
     except RuntimeError:
@@ -564,10 +574,9 @@ def _falcon_chunked_prefill_fails(model, ids) -> bool:
 
 
 def test_a_model_whose_chunked_prefill_fails_runs_again_without_chunks(opts):
-    from benchmarks.architectures import _build
     from fxpass.backends.bpu.prefill import PrefillChunkWarning
 
-    model, _ = _build("Falcon")
+    model = _own_config("FalconConfig", "FalconForCausalLM", num_attention_heads=4)
     a, b = _prompt(model, 8), _prompt(model, 11, seed=1)
     hf_fails = _falcon_chunked_prefill_fails(model, a)
     expected = [_generate(model, p, cache_implementation="static") for p in (a, b)]
@@ -614,9 +623,7 @@ class _Streamer:
 def test_a_streamer_never_sees_a_retried_prompt(opts):
     """Falcon's chunked prefill fails in transformers 5.23; a retry would stream the prompt a
     second time, so a streamer's call is not chunked until a chunked call has worked."""
-    from benchmarks.architectures import _build
-
-    model, _ = _build("Falcon")
+    model = _own_config("FalconConfig", "FalconForCausalLM", num_attention_heads=4)
     ids = _prompt(model, 8)
     expected = _generate(model, ids, cache_implementation="static")
     compile_for_generate(model, max_cache_len=40, options=opts)
@@ -630,8 +637,11 @@ def test_a_streamer_never_sees_a_retried_prompt(opts):
 
 def _prefill_calls(model, ids) -> list[int]:
     """Tokens per forward call of one generate() (the decode steps are the 1s at the end)."""
+    import functools
+
     compiled, calls = model.forward, []
 
+    @functools.wraps(compiled)  # HF picks the arguments it passes from the signature
     def spy(*args, **kwargs):
         calls.append(kwargs["input_ids"].shape[-1])
         return compiled(*args, **kwargs)
@@ -686,3 +696,23 @@ def test_options_chunks_would_change_are_left_unchunked(option, opts):
         assert torch.equal(got.sequences, expected.sequences)
         assert [h.shape for h in got.hidden_states[0]] == [
             h.shape for h in expected.hidden_states[0]]
+
+
+def test_opt_on_its_own_config_keeps_chunks(opts):
+    """The architectures benchmark's OPT (and GPT-NeoX, Bloom, ...) fell back only because its
+    shared config sets num_key_value_heads, which HF's cache sizing reads and OPT ignores; on
+    OPT's own config the prompts run in chunks, with eager's tokens and no warning."""
+    from fxpass.backends.bpu.prefill import PrefillChunkWarning
+
+    model = _own_config("OPTConfig", "OPTForCausalLM", ffn_dim=128, num_attention_heads=4,
+                        word_embed_proj_dim=64)
+    prompts = [_prompt(model, 8), _prompt(model, 21, seed=1)]
+    expected = [_generate(model, p, cache_implementation="static") for p in prompts]
+    compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=8)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = [_generate(model, p) for p in prompts]
+        calls = _prefill_calls(model, prompts[1])
+    assert all(torch.equal(x, e) for x, e in zip(got, expected, strict=True))
+    assert not [x for x in w if issubclass(x.category, PrefillChunkWarning)]
+    assert calls == [8, 8, 5, 1]
