@@ -240,8 +240,8 @@ def _step_counters_symbolic(
     decided once per cache object, so once per ``generate()``) needs it; for the others the
     config stays untouched: torch's config module is Python code. ``benchmarks.wrapper_cost``
     put writing it every step at 0.19 ms per token on cold caches once (2026-12-03 11:47) and
-    within noise in two re-runs (14:33, 14:35); the shipped wrapper was within 0.05 ms of a
-    plain compiled forward in all three. Named and documented as
+    within noise in three re-runs; the shipped wrapper measured -0.04 to +0.07 ms against a
+    plain compiled forward over the four. Named and documented as
     ``original``; not ``functools.wraps(compiled)``, which copied torch.compile's own
     attributes onto it, so compiling it again failed.
     """
