@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from fxpass.backends.bpu.prefill import PrefillChunks, dense, runs_eagerly
+from fxpass.backends.bpu.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
 from fxpass.graph import FROZEN
 
 aten = torch.ops.aten
@@ -149,7 +149,27 @@ def compile_for_generate(
     model.forward = _step_counters_symbolic(compiled, forward, state)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
     model.generate = _loop_on_threads(generate, state, prefill)
+    _spell_out_masks(model, state)
     return model
+
+
+def _spell_out_masks(model: Any, state: _GenerateState) -> None:
+    """Give the compiled prompt chunks HF's mask always (``prefill.spelled_out_masks``): one
+    prefill graph for every prompt length instead of two. HF looks the mask function up on
+    the model (``getattr(self, "create_masks_for_generate", ...)``); a model class with its
+    own (Gemma 3, Bloom, PaliGemma, ...) keeps it, and compiles a first-chunk graph."""
+    mine = vars(model).get("create_masks_for_generate")
+    if getattr(type(model), "create_masks_for_generate", None) is not None or (
+            mine is not None and not hasattr(mine, _SPELLED_OUT)):
+        return
+    create = spelled_out_masks(lambda: state.prefill)
+    if create is not None:
+        setattr(create, _SPELLED_OUT, True)
+        model.create_masks_for_generate = create
+
+
+#: marks a ``create_masks_for_generate`` that ``_spell_out_masks`` installed
+_SPELLED_OUT = "_fxpass_spelled_out"
 
 
 #: keys of torch.compile's ``options`` that torch itself consumes (not the backend's)

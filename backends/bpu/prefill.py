@@ -19,12 +19,19 @@ call of its chunked prefill is run again without chunks; if that works, one warn
 model keeps compiling each prompt length as before. An error before any forward call (a bad
 argument) or after the prefill, or one the unchunked run raises too, is the caller's: raised
 as it is, chunks stay on.
+
+HF leaves out the mask of a causal first chunk (empty cache, no padding: SDPA's ``is_causal``
+does it) and passes one to every later chunk, so a prompt of two chunks or more compiled a
+third graph. :func:`spelled_out_masks` gives the compiled chunks HF's own mask always.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,3 +157,81 @@ def dense(kwargs: dict) -> dict:
         return kwargs
     return {k: v.clone(memory_format=torch.contiguous_format) if sliced(v) else v
             for k, v in kwargs.items()}
+
+
+def spelled_out_masks(compiled_length: Callable[[], int | None]) -> Callable | None:
+    """HF's generic ``create_masks_for_generate`` that, for a prompt chunk of the compiled
+    length (``compiled_length()``, None outside ``generate()``), asks HF's mask functions for
+    the masks they would leave to SDPA's ``is_causal`` (``allow_is_causal_skip=False``).
+
+    Why: HF skips the mask of a causal chunk on an empty cache and passes one to the chunks
+    after it; the compiled graph of one does not take the other's inputs, so prompts of two
+    chunks or more compiled a third graph (3-4 s on Qwen3 4 x 512). With the mask spelled
+    out, every chunk runs one prefill graph. The mask is HF's own, so the answer is the same;
+    calls that run eagerly (a tail, a short prompt) and decode steps keep HF's choice.
+    None if this transformers has no generic mask function to wrap."""
+    try:
+        from transformers import masking_utils as mu
+    except ImportError:
+        return None
+    generic = getattr(mu, "create_masks_for_generate", None)
+    if generic is None:
+        return None
+    sig = inspect.signature(generic)
+
+    @functools.wraps(generic)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        out = generic(*args, **kwargs)
+        n = compiled_length()
+        if n is None or n == 1 or not (out is None or isinstance(out, dict)):
+            return out
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        mask_kwargs = {k: v for k, v in bound.arguments.items()
+                       if sig.parameters[k].kind is not inspect.Parameter.VAR_KEYWORD}
+        embeds = mask_kwargs.get("inputs_embeds")
+        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[1] != n:
+            return out
+        config = mask_kwargs["config"] = mask_kwargs["config"].get_text_config()
+        if isinstance(out, dict):
+            out = dict(out)
+            for key, mask in out.items():
+                fn = _mask_function(mu, config, key) if mask is None else None
+                if fn is not None:
+                    out[key] = fn(**mask_kwargs, allow_is_causal_skip=False)
+            return out
+        fn = _mask_function(mu, config, None)
+        return out if fn is None else fn(**mask_kwargs, allow_is_causal_skip=False)
+
+    return create
+
+
+def _mask_function(mu: Any, config: Any, key: str | None) -> Callable | None:
+    """The HF mask function that made mask ``key`` of ``create_masks_for_generate`` (None:
+    its single mask), if it is one of the three causal ones that may skip; None if unsure.
+    Mirrors that function's dispatch, so a transformers that changes it gets None."""
+    causal = (mu.create_causal_mask, mu.create_sliding_window_causal_mask,
+              mu.create_chunked_causal_mask)
+    if key is None:  # one mask for every layer
+        if hasattr(config, "layer_types"):
+            return None  # HF returned the raw mask: it has no function for some layer type
+        if getattr(config, "sliding_window", None) is not None:
+            found = {mu.create_sliding_window_causal_mask}
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            found = {mu.create_chunked_causal_mask}
+        else:
+            found = {mu.create_causal_mask}
+    else:
+        mapping = getattr(mu, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+        found = set()
+        for pattern in set(getattr(config, "layer_types", None) or ()):
+            fn = mapping.get(pattern)
+            if isinstance(fn, dict):  # a pattern that needs several masks ("hybrid")
+                if key not in fn:
+                    continue
+                fn = fn[key]
+            elif pattern != key:
+                continue
+            found.add(fn)
+    (fn,) = found if len(found) == 1 else (None,)
+    return fn if fn in causal else None

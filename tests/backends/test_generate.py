@@ -511,10 +511,9 @@ def test_any_prompt_length_reuses_the_compiled_prefill(name, opts):
     for p, e in zip(prompts, expected, strict=True):
         assert torch.equal(_generate(model, p), e), p.shape
         graphs.append(len(_new_reports(before)))
-    # prefill (the first prompt, 8 tokens) and decode; a chunk after the first one (from 16
-    # tokens on: 21 = 8 + 8 + a 5-token tail) reads an explicit mask HF leaves out at position
-    # 0: one graph more, once
-    assert graphs == [2, 2, 2, 2, 2, 3, 3, 3, 3], graphs
+    # prefill (the first prompt, 8 tokens) and decode, for every length: the first chunk gets
+    # the explicit mask HF passes the later ones (21 = 8 + 8 + a 5-token tail)
+    assert graphs == [2] * len(lengths), graphs
     for r in _new_reports(before):
         assert len(r.regions) == 1 and r.regions[0].fallback is None, str(r)
 
@@ -716,3 +715,67 @@ def test_opt_on_its_own_config_keeps_chunks(opts):
     assert all(torch.equal(x, e) for x, e in zip(got, expected, strict=True))
     assert not [x for x in w if issubclass(x.category, PrefillChunkWarning)]
     assert calls == [8, 8, 5, 1]
+
+
+def _masks_seen(model, ids, n=2) -> list[tuple[int, list]]:
+    """(tokens, the masks HF passed) per forward call of one generate()."""
+    import functools
+
+    compiled, seen = model.forward, []
+
+    @functools.wraps(compiled)
+    def spy(*args, **kwargs):
+        m = kwargs.get("attention_mask")
+        masks = list(m.values()) if isinstance(m, dict) else [m]
+        seen.append((kwargs["input_ids"].shape[-1], [None if x is None else x.clone()
+                                                     for x in masks]))
+        return compiled(*args, **kwargs)
+
+    model.forward = spy
+    try:
+        _generate(model, ids, n=n)
+    finally:
+        model.forward = compiled
+    return seen
+
+
+def test_compiled_chunks_get_hf_mask_and_eager_calls_keep_hf_choice(opts):
+    """HF leaves out the mask of a causal first chunk and passes one to the later chunks; the
+    two compiled as two graphs. The compiled chunks now always get HF's mask: the first one is
+    the plain causal mask (token i sees keys 0..i of the 40 slots). A prompt shorter than the
+    chunk runs eagerly and keeps HF's choice (no mask: SDPA's is_causal), as in eager."""
+    model, _ = _model("qwen3")
+    long, short = _prompt(model, 21), _prompt(model, 5, seed=1)
+    expected = [_generate(model, p, n=2, cache_implementation="static") for p in (long, short)]
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=8)
+    seen = _masks_seen(model, long)
+    assert [n for n, _ in seen] == [8, 8, 5, 1]
+    (first,) = seen[0][1]
+    causal = torch.ones(8, 40).tril().bool()  # [i, j]: j <= i
+    assert first is not None and first.shape == (1, 1, 8, 40)
+    assert torch.equal(first[0, 0], causal)
+    assert all(m is not None for _, masks in seen for m in masks)
+    seen = _masks_seen(model, short)
+    assert [n for n, _ in seen] == [5, 1] and seen[0][1] == [None]
+    assert len(_new_reports(before)) == 2  # one prefill graph, one decode graph
+    for p, e in zip((long, short), expected, strict=True):
+        assert torch.equal(_generate(model, p, n=2), e)
+    assert len(_new_reports(before)) == 2
+
+
+def test_a_model_with_its_own_mask_function_keeps_it(opts):
+    """Models whose class writes its own ``create_masks_for_generate`` (Bloom's alibi, Gemma 3's
+    image tokens) keep it: spelling their masks out with the generic functions would drop what
+    theirs adds. The generic one is wrapped once, also when compiled again."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    compile_for_generate(bloom, max_cache_len=16, options=opts)
+    assert "create_masks_for_generate" not in vars(bloom)
+    model, _ = _model("qwen3")
+    compile_for_generate(model, max_cache_len=16, options=opts)
+    mine = vars(model)["create_masks_for_generate"]
+    compile_for_generate(model, max_cache_len=24, options=opts)
+    again = vars(model)["create_masks_for_generate"]
+    assert again is not mine and not hasattr(again.__wrapped__, "_fxpass_spelled_out")
