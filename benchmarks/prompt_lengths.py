@@ -5,7 +5,7 @@
 Why this exists: shapes are static, so each new prompt length used to compile a new prefill
 graph (3-4 s each on Qwen3 4 x 512), and past Dynamo's recompile limit every new length ran its
 prefill eagerly. ``compile_for_generate`` now compiles one prompt length and runs the others
-through HF's chunked prefill (``backends/bpu/generation.py``, ``_Prefill``). This measures both
+through HF's chunked prefill (``backends/bpu/prefill.py``). This measures both
 policies on the same prompts:
 
 - ``chunks``: the default (the first prompt's length is the compiled chunk);
