@@ -160,16 +160,17 @@ def _spell_out_masks(model: Any, state: _GenerateState) -> None:
     own (Gemma 3, Bloom, PaliGemma, ...) keeps it, and compiles a first-chunk graph."""
     mine = vars(model).get("create_masks_for_generate")
     if getattr(type(model), "create_masks_for_generate", None) is not None or (
-            mine is not None and not hasattr(mine, _SPELLED_OUT)):
+            mine is not None and mine not in _SPELLED_OUT):
         return
     create = spelled_out_masks(lambda: state.prefill)
     if create is not None:
-        setattr(create, _SPELLED_OUT, True)
+        _SPELLED_OUT.add(create)
         model.create_masks_for_generate = create
 
 
-#: marks a ``create_masks_for_generate`` that ``_spell_out_masks`` installed
-_SPELLED_OUT = "_fxpass_spelled_out"
+#: the ``create_masks_for_generate`` functions ``_spell_out_masks`` installed; by identity,
+#: since an attribute would be copied onto a caller's ``functools.wraps`` of ours (review)
+_SPELLED_OUT: weakref.WeakSet = weakref.WeakSet()
 
 
 #: keys of torch.compile's ``options`` that torch itself consumes (not the backend's)

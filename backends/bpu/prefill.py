@@ -172,9 +172,11 @@ def spelled_out_masks(compiled_length: Callable[[], int | None]) -> Callable | N
     None if this transformers has no generic mask function to wrap."""
     try:
         from transformers import masking_utils as mu
+        from transformers.generation import utils as generation_utils
     except ImportError:
         return None
-    generic = getattr(mu, "create_masks_for_generate", None)
+    # the name HF's generate() falls back to, in case something patched one of the two
+    generic = getattr(generation_utils, "create_masks_for_generate", None)
     if generic is None:
         return None
     sig = inspect.signature(generic)
@@ -185,13 +187,15 @@ def spelled_out_masks(compiled_length: Callable[[], int | None]) -> Callable | N
         n = compiled_length()
         if n is None or n == 1 or not (out is None or isinstance(out, dict)):
             return out
+        # the query length first: a decode step (every token) ends here, unbound
+        embeds = kwargs["inputs_embeds"] if "inputs_embeds" in kwargs else (
+            args[1] if len(args) > 1 else None)
+        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[1] != n:
+            return out
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         mask_kwargs = {k: v for k, v in bound.arguments.items()
                        if sig.parameters[k].kind is not inspect.Parameter.VAR_KEYWORD}
-        embeds = mask_kwargs.get("inputs_embeds")
-        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[1] != n:
-            return out
         config = mask_kwargs["config"] = mask_kwargs["config"].get_text_config()
         if isinstance(out, dict):
             out = dict(out)
