@@ -190,7 +190,7 @@ def spelled_out_masks(compiled_length: Callable[[], int | None]) -> Callable | N
         # the query length first: a decode step (every token) ends here, unbound
         embeds = kwargs["inputs_embeds"] if "inputs_embeds" in kwargs else (
             args[1] if len(args) > 1 else None)
-        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[1] != n:
+        if prompt_length(None, embeds) != n:
             return out
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()

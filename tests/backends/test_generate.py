@@ -533,6 +533,26 @@ def test_prompt_chunks_keep_eager_tokens_for_a_padded_batch(opts):
     assert len(_new_reports(before)) == 2
 
 
+def test_sliding_window_prompt_chunks_compile_per_cache_regime_not_per_length(opts):
+    """HF's sliding layer takes a Python branch per cache regime: a chunk on an empty window,
+    one that crosses it, one on a full window. Chunked prompts that reach those regimes add a
+    prefill graph each, once; further lengths reuse them."""
+    model, _ = _sliding(window=8)
+    lengths = [6, 13, 20, 27]
+    prompts = [_prompt(model, n, seed=n) for n in lengths]
+    expected = [_generate(model, p, cache_implementation="static") for p in prompts]
+    before = len(fxpass.compile_reports())
+    compile_for_generate(model, max_cache_len=48, options=opts, prefill_chunk=6)
+    graphs = []
+    for p, e in zip(prompts, expected, strict=True):
+        assert torch.equal(_generate(model, p), e), p.shape
+        graphs.append(len(_new_reports(before)))
+    # 6 (+6 new: both decode regimes), 13 = 6 + 6 crossing the window + 1, 20 = ... + a
+    # chunk on a full window, 27: nothing new
+    assert graphs == [3, 4, 5, 5], graphs
+    assert all(len(r.regions) == 1 for r in _new_reports(before))
+
+
 def test_prefill_chunk_none_per_call_compiles_the_exact_length(opts):
     """``prefill_chunk_size=None`` in a generate() call opts out: the old exact-length graph."""
     model, _ = _model("qwen3")
@@ -636,21 +656,7 @@ def test_a_streamer_never_sees_a_retried_prompt(opts):
 
 def _prefill_calls(model, ids) -> list[int]:
     """Tokens per forward call of one generate() (the decode steps are the 1s at the end)."""
-    import functools
-
-    compiled, calls = model.forward, []
-
-    @functools.wraps(compiled)  # HF picks the arguments it passes from the signature
-    def spy(*args, **kwargs):
-        calls.append(kwargs["input_ids"].shape[-1])
-        return compiled(*args, **kwargs)
-
-    model.forward = spy
-    try:
-        _generate(model, ids, n=2)
-    finally:
-        model.forward = compiled
-    return calls
+    return [n for n, _ in _masks_seen(model, ids)]
 
 
 def test_the_automatic_chunk_is_chosen_again_after_a_warm_up_prompt(opts):
@@ -724,7 +730,7 @@ def _masks_seen(model, ids, n=2) -> list[tuple[int, list]]:
 
     compiled, seen = model.forward, []
 
-    @functools.wraps(compiled)
+    @functools.wraps(compiled)  # HF picks the arguments it passes from the signature
     def spy(*args, **kwargs):
         m = kwargs.get("attention_mask")
         masks = list(m.values()) if isinstance(m, dict) else [m]
@@ -779,7 +785,7 @@ def test_a_model_with_its_own_mask_function_keeps_it(opts):
     mine = vars(model)["create_masks_for_generate"]
     compile_for_generate(model, max_cache_len=24, options=opts)
     again = vars(model)["create_masks_for_generate"]
-    assert again is not mine and again.__wrapped__ is not mine  # not wrapped twice
+    assert again is not mine  # the new compile's wrapper, not the old one's
     import functools
 
     @functools.wraps(again)  # a caller's own wrapper around ours is the caller's: kept
