@@ -118,8 +118,12 @@ class P:
 
     def __repr__(self) -> str:
         t = self.targets[0] if len(self.targets) == 1 else list(self.targets)
+        flags = [f"name={self.name!r}"] if self.name is not None else []
+        flags += [f"{f}=True" for f in ("shared", "commute") if getattr(self, f)]
         inner = ", ".join(
-            [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+            [repr(a) for a in self.args]
+            + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+            + flags  # every flag: a failing pattern must show the one at fault
         )
         return f"P({t}{', ' if inner else ''}{inner})"
 
@@ -283,14 +287,25 @@ def _match_op(pat: P, v: Any, st: _State, where: str) -> str | None:
             if why is not None:
                 break
         else:
-            st.nodes.append((v, pat))
-            if pat.name is not None:
-                st.bindings[pat.name] = v
-            return None
+            why = _bind_node(pat, v, st, where)
+            if why is None:
+                st.nodes.append((v, pat))
+                return None
         first_why = first_why or why
         st.bindings, st.nodes, depth = saved
         st.depth = max(st.depth, depth)
     return first_why
+
+
+def _bind_node(pat: P, v: Node, st: _State, where: str) -> str | None:
+    """Bind ``P(name=...)``; a name bound twice must be the same node (as for ``Var``)."""
+    if pat.name is None:
+        return None
+    if pat.name in st.bindings and not _same(st.bindings[pat.name], v):
+        old, new = _label(st.bindings[pat.name]), _label(v)
+        return f"{where}: {pat.name!r} is bound to {old} elsewhere in the pattern, here to {new}"
+    st.bindings[pat.name] = v
+    return None
 
 
 def _match_root(pat: P, node: Node) -> tuple[Match | None, str | None, int]:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from torch.fx import GraphModule, Node
 
 from ..passmanager import PassManager
@@ -73,12 +74,19 @@ def assert_outputs_close(
     actual: Any,
     tolerance: dict[torch.dtype, tuple[float, float]] | None = None,
     signed_zeros: bool = True,
+    computed_in: list[torch.dtype | None] | None = None,
 ) -> None:
     """Same structure, dtypes and shapes; values within the per-dtype tolerance (NaN == NaN);
-    with ``signed_zeros``, zeros in both agree in sign."""
+    with ``signed_zeros``, zeros in both agree in sign.
+
+    ``computed_in[i]``, when given, is the least precise float dtype output ``i`` was computed
+    through (see :func:`computed_in`); its tolerance is used when it is looser than the
+    output's own dtype: a float32 result cast to float64 carries float32 rounding.
+    """
     tol = {**TOLERANCE, **(tolerance or {})}
     exp, act = _flat(expected), _flat(actual)
     assert len(exp) == len(act), f"output count changed: {len(exp)} -> {len(act)}"
+    via = list(computed_in or [])
     for i, (e, a) in enumerate(zip(exp, act, strict=True)):
         if not isinstance(e, torch.Tensor):
             assert e == a, f"output {i}: {e!r} != {a!r}"
@@ -90,6 +98,8 @@ def assert_outputs_close(
             assert torch.equal(e, a), f"output {i}: values differ (exact dtype {e.dtype})"
             continue
         rtol, atol = tol.get(e.dtype, (1e-5, 1e-5))
+        if i < len(via) and via[i] is not None:
+            rtol, atol = max((rtol, atol), tol.get(via[i], (rtol, atol)))
         finite = e[torch.isfinite(e)].abs()
         scale = max(1.0, float(finite.max())) if finite.numel() else 1.0
         torch.testing.assert_close(
@@ -111,6 +121,35 @@ def assert_outputs_close(
             f"{tuple(int(v) for v in flipped.nonzero()[0])}: expected "
             f"{float(e[flipped][0])!r}, got {float(a[flipped][0])!r}"
         )
+
+
+def computed_in(gm: GraphModule) -> list[torch.dtype | None]:
+    """Per output of ``gm``, the least precise float dtype of any value it depends on.
+
+    Why: the tolerance must come from the precision the computation ran in, not from the
+    dtype it ends in. A rule that turns float32 ``x * sigmoid(x)`` into ``silu(x)`` is right to
+    one float32 ulp; if the graph then casts to float64, float64's tolerance would fail it.
+    Taken from the graph *before* the rule: a rule that quietly computes in a lower precision
+    is still held to the original's.
+    """
+    rank = {dt: tol[0] for dt, tol in TOLERANCE.items()}
+
+    def looser(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
+        if a is None or (b is not None and rank.get(b, 0) > rank.get(a, 0)):
+            return b
+        return a
+
+    loosest: dict[Node, torch.dtype | None] = {}
+    for n in gm.graph.nodes:
+        d = None
+        for v in _flat(n.meta.get("val")):
+            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+                d = looser(d, v.dtype)
+        for a in n.all_input_nodes:
+            d = looser(d, loosest.get(a))
+        loosest[n] = d
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    return [loosest.get(x) if isinstance(x, Node) else None for x in _flat(out.args[0])]
 
 
 def check_meta(gm: GraphModule, inputs: list[torch.Tensor]) -> None:
@@ -206,8 +245,9 @@ def check_rule(
         fired[0] += report.rewrites.get(rule.name, 0)
         gm.graph.lint()
         check_meta(gm, [t.clone() for t in inputs])
+        via = computed_in(before)
         try:
-            assert_outputs_close(expected, gm(*ins_after), tolerance, signed_zeros)
+            assert_outputs_close(expected, gm(*ins_after), tolerance, signed_zeros, via)
             try:
                 assert_outputs_close(ins_before, ins_after, tolerance, signed_zeros)
             except AssertionError as e:
@@ -226,7 +266,20 @@ def check_rule(
             f"rule {rule.name!r} is not idempotent: fired {again.total_rewrites}x on its own output"
         )
 
-    prop()
+    try:
+        prop()
+    except Unsatisfiable as e:
+        from .strategies import _REJECTED
+
+        why = _REJECTED.get(repr(pattern)) if pattern is not None else None
+        hint = (
+            f"every generated instance of {pattern!r} failed to type-check; the last error: "
+            f"{why}. Give the pattern's leaves a dtype (Var(..., dtype=...)), write constant "
+            "arguments into it, or pass graphs= with a strategy that builds valid instances"
+            if why
+            else "Hypothesis could not generate valid graphs; pass graphs= with a strategy"
+        )
+        raise AssertionError(f"check_rule({rule.name!r}): {hint}") from e
     if must_fire:
         assert fired[0] > 0, (
             f"rule {rule.name!r} never fired on {max_examples} generated graphs; choose an op "

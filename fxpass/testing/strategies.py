@@ -229,6 +229,9 @@ def pattern_graphs(
     b = _Builder(draw, dtypes, max_inputs, max_rank)
     b.random_ops(vocab, draw(st.integers(0, max_ops)))
     bound: dict[str, Any] = {}
+    # a quarter of the graphs keep the pattern's inner values private: with fan-out drawn per
+    # inner node, a deep pattern (an RMSNorm has four inner ops) would seldom match whole
+    shared_inner = draw(st.integers(0, 3)) > 0
 
     def leaf(v: Var) -> Node:
         if v.dtype is None:
@@ -238,33 +241,100 @@ def pattern_graphs(
         cands = [n for n in b.pool if n.meta["val"].dtype == dt]
         return draw(st.sampled_from(cands)) if cands else b.placeholder(dt)
 
-    def make(p: Any, inner: bool) -> Any:
+    def make(p: Any, inner: bool, where: tuple[str, Any] | None = None) -> Any:
+        # ``where`` is (argument name, schema type) of the position ``p`` fills, when known
         if isinstance(p, (Var, Num)):
             if p.name not in bound:
-                bound[p.name] = (
-                    leaf(p) if isinstance(p, Var) else draw(st.sampled_from(PATTERN_NUMBERS))
-                )
+                if isinstance(p, Num):
+                    bound[p.name] = draw(st.sampled_from(PATTERN_NUMBERS))
+                elif where is not None and not _is_tensor_type(where[1]):
+                    bound[p.name] = draw(_values_of(p, *where))
+                else:
+                    bound[p.name] = leaf(p)
             return bound[p.name]
         if p is ANY:
             return b.pick()
         if isinstance(p, (list, tuple)):
-            return type(p)(make(x, inner) for x in p)
+            elem = None
+            if where is not None:
+                typ = _unwrap_optional(where[1])
+                if isinstance(typ, torch.ListType):
+                    elem = (where[0], typ.getElementType())
+            return type(p)(make(x, inner, elem) for x in p)
         if not isinstance(p, P):
             return p
-        args = tuple(make(a, True) for a in p.args)
-        kwargs = {k: make(v, True) for k, v in p.kwargs.items()}
+        target = draw(st.sampled_from(list(p.targets)))
+        schema = getattr(target, "_schema", None)
+        positional = [a for a in schema.arguments if not a.kwarg_only] if schema else []
+        by_name = {a.name: a for a in schema.arguments} if schema else {}
+
+        def slot(a: Any) -> tuple[str, Any] | None:
+            return (a.name, a.real_type) if a is not None else None
+
+        args = tuple(
+            make(a, True, slot(positional[i] if i < len(positional) else None))
+            for i, a in enumerate(p.args)
+        )
+        kwargs = {k: make(v, True, slot(by_name.get(k))) for k, v in p.kwargs.items()}
         try:
-            n = b.emit(draw(st.sampled_from(list(p.targets))), args, kwargs)
-        except Exception:
+            n = b.emit(target, args, kwargs)
+        except Exception as e:
+            _REJECTED[repr(pattern)] = f"{target}: {type(e).__name__}: {e}"
             reject()
-        b.pool.append(n)
-        if inner:
+        if not inner or shared_inner:
+            b.pool.append(n)
+        if inner and shared_inner:
             b.maybe_fan_out(n)
         return n
 
     make(pattern, False)
     b.random_ops(vocab, draw(st.integers(0, max_ops)))
     return b.finish(f"around {pattern!r}")
+
+
+#: The last reason an instance of a pattern failed to type-check, by ``repr(pattern)``: what
+#: ``check_rule`` reports when every instance is rejected (Hypothesis' ``Unsatisfiable``).
+_REJECTED: dict[str, str] = {}
+
+#: Values a non-tensor ``Var`` is drawn from, by the schema type of the argument it fills:
+#: ints that are valid dims of any rank (-1, 0), floats that look like what sits there (an
+#: eps, a scale), both booleans. A pattern whose instance does not type-check is rejected.
+_DRAWN: dict[str, tuple[Any, ...]] = {
+    "int": (-1, 0),
+    "SymInt": (-1, 0),
+    "float": (1e-6, 1e-5, 0.5, 2.0),
+    "Scalar": PATTERN_NUMBERS,
+    "bool": (False, True),
+}
+
+
+def _unwrap_optional(typ: Any) -> Any:
+    return typ.getElementType() if isinstance(typ, torch.OptionalType) else typ
+
+
+def _is_tensor_type(typ: Any) -> bool:
+    typ = _unwrap_optional(typ)
+    return (
+        typ is None
+        or isinstance(typ, torch.TensorType)
+        or (isinstance(typ, torch.ListType) and _is_tensor_type(typ.getElementType()))
+    )
+
+
+def _values_of(var: Any, argname: str, typ: Any) -> st.SearchStrategy:
+    """Values for a non-tensor ``Var`` at argument ``argname`` of schema type ``typ``."""
+    typ = _unwrap_optional(typ)
+    if isinstance(typ, torch.ListType):
+        inner = _values_of(var, argname, typ.getElementType())
+        return st.lists(inner, min_size=1, max_size=1)
+    values = _DRAWN.get(str(typ))
+    if values is None:
+        raise TypeError(
+            f"check_rule cannot draw {var!r}: it fills argument {argname!r} of type {typ}, "
+            "which is not a tensor, int, float, Scalar or bool. Write that argument's value "
+            "into the pattern (or use ANY), or pass graphs= with a strategy that builds it"
+        )
+    return st.sampled_from(values)
 
 
 def _shown(gm: GraphModule, extra: str = "") -> GraphModule:
