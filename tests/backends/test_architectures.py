@@ -7,6 +7,9 @@ import pytest
 
 from benchmarks.architectures import one
 
+# the second tier (pytest -m slow): long generation and many-architecture sweeps
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(
     "family, new_tokens, graphs",

@@ -40,6 +40,7 @@ def _run(cache_dir):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a subprocess round trip
 def test_second_process_reuses_artifacts_and_corruption_is_rebuilt(tmp_path):
     first = _run(tmp_path)
     assert first["regions"] == 1 and first["cached"] == [False] and first["err"] < 1e-4

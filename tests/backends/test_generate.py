@@ -15,6 +15,9 @@ import fxpass
 from fxpass.backends.bpu import compile_for_generate, zoo
 from fxpass.backends.bpu.generation import GrowingCacheWarning
 
+# the second tier (pytest -m slow): long generation and many-architecture sweeps
+pytestmark = pytest.mark.slow
+
 DECODERS = ["qwen3", "llama", "mistral", "gpt2"]
 
 

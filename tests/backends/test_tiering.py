@@ -279,6 +279,7 @@ def test_calls_during_the_build_use_the_first_tier_then_the_second():
     assert ex() == ("second",)
 
 
+@pytest.mark.slow  # a subprocess round trip
 def test_a_process_that_exits_right_after_its_first_call_still_stores_the_entry(tmp_path):
     """The second tier builds after the first call; a process that ends then must still write
     its cache entry (the interpreter joins the tier thread), so the next process hits."""

@@ -14,6 +14,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 _HOSTILE = "raise ImportError('user file imported instead of fxpass: {}')\n"
@@ -42,6 +44,7 @@ _PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess round trip
 def test_user_files_named_rules_or_backends_shadow_nothing(tmp_path: Path) -> None:
     (tmp_path / "rules.py").write_text(_HOSTILE.format("rules.py"))
     (tmp_path / "fxpass_bpu.py").write_text(_HOSTILE.format("fxpass_bpu.py"))
