@@ -65,10 +65,15 @@ MAX_REPORTS = 256
 _GRAPH_IDS = itertools.count()
 _WARNED: set[str] = set()
 #: What the backend did in this process: "rules" (pass-manager runs), "partition", "plan_hit",
-#: "plan_miss", "plan_stored", "parallel_compiles", "variants" (a graph compiled again for
-#: another instance's weights), "unfrozen_buffers" (frozen buffers found written). Tests
-#: assert on it (never on timings).
+#: "plan_miss", "plan_stored", "parallel_compiles", "region_compiles", "variants" (a graph
+#: compiled again for another instance's weights), "unfrozen_buffers" (frozen buffers found
+#: written). Tests assert on it (never on timings).
 STATS: Counter[str] = Counter()
+
+
+#: set in the options by ``export()`` only (not a user option): every region must stand alone,
+#: compiled with its artifact kept (``compile_region(keep=True)``), no cache and no tiers
+EXPORTING = "_exporting"
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -679,6 +684,7 @@ def _compile_regions(
         r, name, rg, err = job
         if err is not None:
             return (r, name, rg, None, None, err)
+        STATS["region_compiles"] += 1
         try:
             c = compile_region(
                 rg,
@@ -689,9 +695,11 @@ def _compile_regions(
                 options=_region_options(opts),
                 threads=opts.get("threads"),
                 tiered=opts.get("tiered", True),
+                keep=opts.get(EXPORTING, False),
             )
             inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
             call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts["strict"])
+            call.compiled = c  # export() reads the region's key and artifact from here
         except Exception as e:  # noqa: BLE001 - reported per region by the caller
             return (r, name, rg, None, None, e)
         return (r, name, rg, c, call, None)

@@ -110,6 +110,9 @@ class Compiled:
     cached: bool
     onnx_bytes: int
     fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
+    #: with ``keep=True`` (``export``): the weightless model the executor runs and its
+    #: weights, which a package writes to disk as ONNX plus external data
+    artifact: tuple[onnx.ModelProto, Weights] | None = None
 
 
 def compile_region(
@@ -122,9 +125,12 @@ def compile_region(
     options: dict[str, Any],
     threads: int | None = None,
     tiered: bool = True,
+    keep: bool = False,
 ) -> Compiled:
     """``tiered``: a host region that prepacks starts on an in-place-weights session while the
-    prepacked one builds in the background (``runtime.TieredExecutor``)."""
+    prepacked one builds in the background (``runtime.TieredExecutor``). ``keep``: for
+    ``export``; the region must stand alone (no weight read from the caller's tensors, no
+    cache, no second tier) and ``Compiled.artifact`` keeps what the package writes."""
     kind = resolve_executor(executor)
     key = region_key(rg.gm, march=march, executor=kind, options=options)
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
@@ -132,9 +138,18 @@ def compile_region(
     if cfg is None and kind == "hbdnn":  # the board needs integer MAC inputs (FACTS.md)
         cfg = Q.CONFIGS[Q.DEFAULT_CONFIG]
     if cfg is not None:
+        if keep:
+            raise NotImplementedError(
+                f"region {name}: export() of quantized regions (option 'quantize', or the "
+                "board's executor='hbdnn', which always quantizes) is not supported yet; "
+                "export with quantize=None and executor='onnxruntime'")
         return _compile_quantizing(rg, name, key, input_names, march, kind, cfg, cache, threads)
     fuse = options.get("host_fusions", True)
     rows = 1 if options.get("prepack_one_row") is False else None  # 1: one row reads in place
+    if keep:
+        proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
+        return _build_ort(rg, key, input_names, None, threads, proto, weights, {},
+                          None if fuse else {}, rows=rows, keep=True)
     return _compile_ort(rg, name, key, input_names, cache, threads, fuse, tiered, rows)
 
 
@@ -233,10 +248,12 @@ def _build_ort(
     fast: tuple[bytes, dict[str, str]] | None = None,
     check: Any = None,
     rows: int | None = None,
+    keep: bool = False,
 ) -> Compiled:
     """``_compile_ort`` from the lowered model: ``fusions`` None runs them here (beside the
     weights write), else they ran already. ``fast``: a tiered region's first-tier model and
-    its shared inputs' weights, stored with the entry."""
+    its shared inputs' weights, stored with the entry. ``keep``: ``buffers`` is empty (every
+    weight written), and ``Compiled.artifact`` keeps the weightless model and its weights."""
     fuse = fusions is None
     fusions = dict(fusions or {})
     with contextlib.ExitStack() as stack:
@@ -282,8 +299,13 @@ def _build_ort(
                                initializers=None if optimized_path else inits)
 
         def in_memory(proto: onnx.ModelProto, weights: Weights) -> Compiled:
+            kept = None
+            if keep:
+                weightless = onnx.ModelProto()
+                weightless.CopyFrom(proto)
+                kept = (weightless, weights)
             data = write_weights(proto, weights).SerializeToString()
-            return Compiled(session(data), key, False, len(data), fusions)
+            return Compiled(session(data), key, False, len(data), fusions, kept)
 
         if cache is None or tmp is None:
             return in_memory(proto, weights)
