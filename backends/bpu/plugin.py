@@ -101,10 +101,40 @@ def _run_explain(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _export_arguments(e: argparse.ArgumentParser) -> None:
+    e.add_argument("model", help="built-in name (e.g. bert, qwen3-tiny) or path/to/file.py:factory")
+    e.add_argument("out", help="the package directory to write")
+    e.add_argument("--march", type=_march, default="nash-p")
+    e.add_argument("--min-compute-macs", type=_at_least(0), default=None)
+
+
+def _run_arguments(r: argparse.ArgumentParser) -> None:
+    r.add_argument("package", help="a directory written by fxpass export")
+    r.add_argument("--inputs", help="a torch.save file of (args, kwargs); default: random "
+                   "inputs of the exported shapes")
+    r.add_argument("--repeat", type=_at_least(0), default=10, help="timed calls after the first")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from fxpass.backends.bpu.deploy import export_main
+
+    return export_main(args)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from fxpass.backends.bpu.deploy import run_main
+
+    return run_main(args)
+
+
 def fxpass_commands() -> list[Command]:
     return [
         Command("demo", "compile a stock HF Qwen3 with backend='fxpass_bpu'", _demo_arguments,
                 _run_demo),
         Command("explain", "show rewrites, regions and CPU-left nodes for a model",
                 _explain_arguments, _run_explain),
+        Command("export", "export a model ahead of time to a package directory",
+                _export_arguments, _run_export),
+        Command("run", "load an exported package and call it (no compile)", _run_arguments,
+                _run_run),
     ]

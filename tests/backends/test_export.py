@@ -290,3 +290,16 @@ def test_export_refuses_what_it_cannot_package_yet():
     model, kw = zoo.get("bert")
     with pytest.raises(RuntimeError, match="quantized regions .* are not exported yet"):
         export(model, (), kw, options={"quantize": "w8a16"})
+
+
+def test_cli_export_then_run(tmp_path, capsys):
+    from fxpass.cli import main
+
+    assert main(["export", "bert", str(tmp_path / "pkg")]) == 0
+    out = capsys.readouterr()
+    assert "region compile" in out.err and "package" in out.out and "1 region(s)" in out.out
+    assert main(["run", str(tmp_path / "pkg"), "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "output 0: torch.float32[2, 8, 64]" in out and "median of 2 calls" in out
+    assert main(["run", str(tmp_path / "nope")]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
