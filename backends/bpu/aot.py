@@ -6,21 +6,24 @@ build once on a workstation, copy an artifact, run it. This is the same pipeline
 backend (``backend.compile_graph``: the ``bpu`` target's rules to fixpoint, the partition,
 lowering, region compile), fed by ``torch.export`` instead of Dynamo:
 
-    torch.export.export(model, args, kwargs, strict=False)
-      -> run_decompositions(the CompositeImplicit ops AOTAutograd decomposes)   same aten IR
-      -> parameters and buffers marked frozen, as the JIT path marks them
-      -> compile_graph(gm, options)                                              shared
-      -> each spliced region -> torch.ops.fxpass.region(key, [inputs])           custom op
-      -> torch.export.export of that graph: a real ExportedProgram; its CPU ops run in torch
+    torch.export.export(model, args, kwargs, strict=False)          the model's own program
+      -> functionalize + make_fx with the CompositeImplicit decompositions AOTAutograd applies:
+         the JIT path's aten IR, weights marked frozen, written buffers (a KV cache) as state
+         with their writes as trailing copy_ (AOTAutograd's kept input mutations)
+      -> compile_graph(gm, options)                                  shared with the JIT path
+      -> each spliced region -> torch.ops.fxpass.region(key, [inputs])       one custom op
+      -> torch.export.export of the flat graph (weights, state, inputs) -> ExportedProgram
 
-The custom op finds the region's executor by ``key`` (a digest of the region's graph, weights,
-march and options) in this process's table: ``export`` fills it with the regions it compiled,
-``package.load`` with the regions it opened from a package.
+Weights are inputs of the final program, not state inside it: a package stores every weight
+once, in one file that the programs (prefill and decode share it) and the regions' ONNX
+models read, so tied or shared weights are never copied. The custom op finds a region's
+executor by ``key`` (a digest of its graph, weights, march and options) in this process's
+table, filled by ``export`` and by ``package.load``.
 """
 
 from __future__ import annotations
 
-import re
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,10 +32,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
-from fxpass._capture import SOURCE
+from fxpass._capture import SOURCE, mutated_inputs
 from fxpass.graph import FROZEN, FROZEN_BUFFER
 
 #: key -> the callable that runs a region (a ``runtime.RegionCall``)
@@ -72,6 +74,7 @@ class ExportError(RuntimeError):
     """The model cannot be exported as asked; the message names the cause and the fix."""
 
 
+@functools.cache
 def _cia_table() -> dict[Any, Callable]:
     """The CompositeImplicitAutograd decompositions AOTAutograd applies in the JIT path
     (``linear`` -> ``addmm``, ``layer_norm`` -> ``native_layer_norm``, SDPA -> its CPU
@@ -95,33 +98,258 @@ class RegionArtifact:
 
 
 @dataclass
+class Lowered:
+    """One program through the pipeline: ``program`` takes ``(*weights, *state, *inputs)``
+    flat and returns the model's outputs flat (``out_spec`` rebuilds their structure)."""
+
+    program: ExportedProgram
+    weights: dict[str, torch.Tensor]  # by name, in the program's input order
+    state: dict[str, torch.Tensor]  # written in place by the program (a KV cache)
+    inputs: list[Any]  # the example user inputs, flat (their shapes and dtypes are the spec)
+    in_spec: Any
+    out_spec: Any
+    regions: list[RegionArtifact]
+    report: Any
+    cpu_threads: int | None
+    seconds: dict[str, float] = field(default_factory=dict)
+    _run: Any = None
+
+    def runner(self) -> Callable[..., list[Any]]:
+        """A callable over the flat inputs that writes the state in place (``inplace``)."""
+        if self._run is None:
+            self._run = inplace(self.program)
+        return self._run
+
+
+def lower(
+    module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], opts: dict[str, Any],
+    say: Callable[[str], None],
+) -> Lowered:
+    """``module(*args, **kwargs)`` through torch.export and the JIT pipeline (module doc)."""
+    from fxpass.backends.bpu.backend import compile_graph
+    from fxpass.backends.bpu.runtime import RegionCall, TorchThreads
+
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    say("torch.export (non-strict)")
+    with torch.no_grad():
+        ep = torch.export.export(module, args, kwargs, strict=False)
+        gm, roles, flat_user = _aten_graph(ep, args, kwargs)
+    seconds["export"] = time.perf_counter() - t0
+    say(f"rules, partition, lowering, region compile ({len(gm.graph.nodes)} nodes)")
+    t1 = time.perf_counter()
+    compiled, report = compile_graph(gm, opts)
+    seconds["compile"] = time.perf_counter() - t1
+    threads = None
+    if isinstance(compiled, TorchThreads):
+        compiled, threads = compiled.graph, compiled.n
+    regions: list[RegionArtifact] = []
+    graph = compiled.graph
+    for node in list(graph.nodes):
+        mod = compiled.get_submodule(node.target) if node.op == "call_module" else None
+        if not isinstance(mod, RegionCall):
+            continue
+        c = mod.compiled
+        art = RegionArtifact(
+            name=mod.name, key=c.key[:32], model=c.artifact[0], weights=c.artifact[1],
+            input_names=list(c.executor.input_names),
+            inputs=[(tuple(s), d) for s, d in mod.expected],
+            outputs=[(tuple(s), _out_dtype(mod, i)) for i, s in enumerate(mod.out_shapes)],
+        )
+        open_region(art.key, mod, art.outputs)
+        regions.append(art)
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.fxpass.region.default, (art.key, list(node.args)))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    weights, state = {}, {}
+    attr_phs = list(graph.find_nodes(op="placeholder"))[: len(roles)]
+    for ph, (role, name, t) in zip(attr_phs, roles, strict=True):
+        if role == "weight" and not ph.users:
+            graph.erase_node(ph)  # only regions read it: its data lives in their artifacts
+        elif role == "weight":
+            weights[name] = t
+        elif role == "state":
+            state[name] = t
+    flat = GraphModule(compiled, graph)
+    say(f"torch.export of the spliced graph ({len(regions)} region(s))")
+    t2 = time.perf_counter()
+    examples = (*weights.values(), *[t.clone() for t in state.values()], *flat_user)
+    with torch.no_grad():
+        final = torch.export.export(_Flat(flat), examples, strict=False)
+    final.example_inputs = None  # they hold every weight: torch.export.save would write them
+    seconds["splice_export"] = time.perf_counter() - t2
+    seconds["total"] = time.perf_counter() - t0
+    return Lowered(final, weights, state, flat_user, ep.call_spec.in_spec, ep.call_spec.out_spec,
+                   regions, report, threads, seconds)
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, gm: GraphModule):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *flat: Any) -> Any:
+        return tuple(self.gm(*flat))
+
+
+def _out_dtype(mod: Any, i: int) -> torch.dtype:
+    (out,) = mod._eager().graph.find_nodes(op="output")
+    return out.args[0][i].meta["val"].dtype
+
+
+def _attr(module: torch.nn.Module, target: str) -> Any:
+    return functools.reduce(getattr, target.split("."), module)
+
+
+def _aten_graph(
+    ep: ExportedProgram, args: tuple, kwargs: dict[str, Any]
+) -> tuple[GraphModule, list[tuple[str, str, Any]], list[Any]]:
+    """``ep`` as the JIT backend gets a graph from AOTAutograd: functional aten IR with the
+    CompositeImplicit ops decomposed, every tensor the program reads from itself (parameters,
+    buffers, lifted constants) a placeholder, then the user inputs flat; a tensor it writes
+    is state (its write a trailing ``copy_``), the others are weights marked frozen.
+
+    (``ep.run_decompositions`` does the same, but fails on transformers' static-cache
+    modules, whose cache-length counters export lifts as constants it then writes to.)
+    Returns the graph, (role, name, tensor) per attribute placeholder, and the flat inputs.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call, functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mod = ep.module()
+    attrs: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for n in mod.graph.nodes:  # a tied weight (two names, one tensor) is one input
+        if (n.op == "get_attr" and isinstance(t := _attr(mod, n.target), torch.Tensor)
+                and id(t) not in seen):
+            attrs[n.target] = t
+            seen.add(id(t))
+    names = list(attrs)
+    flat_user, spec = pytree.tree_flatten((args, kwargs))
+
+    def call(*flat: Any) -> Any:
+        a, k = pytree.tree_unflatten(list(flat[len(names):]), spec)
+        return pytree.tree_leaves(functional_call(mod, dict(zip(names, flat, strict=False)), a, k))
+
+    with FakeTensorMode(allow_non_fake_inputs=False) as fm:
+        fakes = [fm.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                 for t in (*attrs.values(), *flat_user)]
+        gm = make_fx(functionalize(call, remove="mutations"), decomposition_table=_cia_table())(
+            *fakes)
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
+    for ph, v in zip(gm.graph.find_nodes(op="placeholder")[len(attrs):], flat_user, strict=True):
+        if not isinstance(v, torch.Tensor):
+            ph.meta["val"] = v  # a Python constant (use_cache=False): specialized, unused
+    written = mutated_inputs(gm)
+    roles = []
+    for ph, (name, t) in zip(gm.graph.find_nodes(op="placeholder"), attrs.items(), strict=False):
+        ph.meta[SOURCE] = name
+        if ph.name in written:
+            roles.append(("state", name, t))
+            continue
+        ph.meta[FROZEN] = t.detach()
+        if not isinstance(t, torch.nn.Parameter):
+            ph.meta[FROZEN_BUFFER] = True
+        roles.append(("weight", name, t))
+    return gm, roles, flat_user
+
+
+def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
+    """A callable running ``ep``'s graph on its flat inputs that writes the inputs it mutates
+    in place and returns the user outputs.
+
+    Why: ``torch.export`` functionalizes the program's in-place writes (a KV cache's
+    ``index_copy_``) into a new whole tensor returned as a mutation output, which
+    ``ExportedProgram.module()`` then copies back: two passes over the whole cache per step.
+    A mutation whose value is an ``index_copy`` of that very input, read by nothing after it,
+    becomes the in-place ``index_copy_`` again (it writes only the new positions); any other
+    mutation is a ``copy_`` into the input after the graph's last use of it."""
+    import copy
+
+    aten = torch.ops.aten
+    gm = copy.deepcopy(ep.graph_module)
+    g = gm.graph
+    sig = ep.graph_signature
+    phs = {n.name: n for n in g.find_nodes(op="placeholder")}
+    lifted = [s for s in sig.input_specs if s.kind.name != "USER_INPUT"]
+    (out,) = g.find_nodes(op="output")
+    values = list(out.args[0])
+    order = {n: i for i, n in enumerate(g.nodes)}
+    keep = []
+    for spec, v in zip(sig.output_specs, values, strict=True):
+        if spec.kind.name == "USER_OUTPUT":
+            keep.append(v)
+            continue
+        if spec.kind.name not in ("USER_INPUT_MUTATION", "BUFFER_MUTATION"):
+            raise ExportError(f"program output of kind {spec.kind.name} is not supported")
+        target = phs[next(s.arg.name for s in sig.input_specs
+                          if (s.arg.name if spec.kind.name == "USER_INPUT_MUTATION"
+                              else s.target) == spec.target)]
+        later = [u for u in target.users if u is not v and order[u] > order.get(v, -1)]
+        if (isinstance(v, torch.fx.Node) and v.target is aten.index_copy.default
+                and v.args[0] is target and not later):
+            v.target = aten.index_copy_.default
+        else:
+            with g.inserting_before(out):
+                g.call_function(aten.copy_.default, (target, v))
+    out.args = (tuple(keep),)
+    gm.recompile()
+    consts = [ep.state_dict[s.target] if s.target in ep.state_dict else ep.constants[s.target]
+              for s in lifted]
+
+    def run(*flat: Any) -> list[Any]:
+        return list(gm(*consts, *flat))
+
+    return run
+
+
+@dataclass
 class Program:
     """What :func:`export` returns: call it like the model, ``save(path)`` it, read ``report``.
 
     ``exported_program`` is a real ``torch.export.ExportedProgram``: its CPU ops are aten ops,
-    each region one ``torch.ops.fxpass.region`` call."""
+    each region one ``torch.ops.fxpass.region`` call; it takes the weights it reads as inputs
+    before the model's own (``weights``), so a package stores each weight once."""
 
-    exported_program: ExportedProgram
-    regions: list[RegionArtifact]
-    report: Any
+    lowered: Lowered
     options: dict[str, Any]
-    cpu_threads: int | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    _module: Any = None
+
+    @property
+    def exported_program(self) -> ExportedProgram:
+        return self.lowered.program
+
+    @property
+    def regions(self) -> list[RegionArtifact]:
+        return self.lowered.regions
+
+    @property
+    def report(self) -> Any:
+        return self.lowered.report
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return self.lowered.seconds
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._module is None:
-            self._module = self.exported_program.module()
-        return _threads(self._module, self.cpu_threads)(*args, **kwargs)
+        low = self.lowered
+        flat = pytree.tree_leaves((args, kwargs))
+        run = threads(low.runner(), low.cpu_threads)
+        outs = run(*low.weights.values(), *low.state.values(), *flat)
+        return pytree.tree_unflatten(outs, low.out_spec)
 
     def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:
         """Write the package directory ``path`` (see ``package.save``); returns it."""
         from fxpass.backends.bpu.package import save
 
-        return save(self, path, progress=progress)
+        return save({"main": self.lowered}, self.options, path, progress=progress)
 
 
-def _threads(fn: Callable[..., Any], n: int | None) -> Callable[..., Any]:
+def threads(fn: Callable[..., Any], n: int | None) -> Callable[..., Any]:
+    """``fn`` with torch's ops on ``n`` threads (``runtime.TorchThreads``' reason)."""
     if n is None:
         return fn
 
@@ -138,6 +366,22 @@ def _threads(fn: Callable[..., Any], n: int | None) -> Callable[..., Any]:
     return run
 
 
+def export_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The backend's options, validated, for a program that must stand alone."""
+    from fxpass.backends.bpu.backend import EXPORTING, validate_options
+    from fxpass.backends.bpu.compile import resolve_executor
+
+    opts = validate_options(options)
+    if opts.get("quantize") is not None or resolve_executor(opts["executor"]) != "onnxruntime":
+        raise ExportError(
+            "export() packages host (onnxruntime) regions in float only for now: quantized "
+            "regions (option 'quantize', and the board's executor='hbdnn', which always "
+            "quantizes) are not exported yet. Pass executor='onnxruntime' and no 'quantize', "
+            "or use torch.compile(model, backend='fxpass_bpu') for those")
+    opts.update(cache=False, tiered=False, **{EXPORTING: True})
+    return opts
+
+
 def export(
     model: torch.nn.Module,
     args: tuple = (),
@@ -152,149 +396,15 @@ def export(
     tiered sessions do not apply (a package holds every region's model itself). Shapes are
     those of ``args``/``kwargs``: the program refuses other shapes with a clear error.
     """
-    from fxpass.backends.bpu.backend import EXPORTING, compile_graph, validate_options
-    from fxpass.backends.bpu.runtime import RegionCall, TorchThreads
-
-    say = progress or (lambda _msg: None)
-    from fxpass.backends.bpu.compile import resolve_executor
-
-    opts = validate_options(options)
-    if opts.get("quantize") is not None or resolve_executor(opts["executor"]) != "onnxruntime":
-        raise ExportError(
-            "export() packages host (onnxruntime) regions in float only for now: quantized "
-            "regions (option 'quantize', and the board's executor='hbdnn', which always "
-            "quantizes) are not exported yet. Pass executor='onnxruntime' and no 'quantize', "
-            "or use torch.compile(model, backend='fxpass_bpu') for those")
-    opts.update(cache=False, tiered=False, **{EXPORTING: True})
-    kwargs = dict(kwargs or {})
-    args = tuple(args)
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    say("torch.export (non-strict)")
+    opts = export_options(options)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            ep = torch.export.export(model, args, kwargs, strict=False)
-            ep = ep.run_decompositions(_cia_table())
+        low = lower(model, tuple(args), dict(kwargs or {}), opts, progress or (lambda _m: None))
     finally:
         model.train(was_training)
-    seconds["export"] = time.perf_counter() - t0
-    gm = _pipeline_graph(ep)
-    say(f"rules, partition, lowering, region compile ({len(gm.graph.nodes)} nodes)")
-    t1 = time.perf_counter()
-    compiled, report = compile_graph(gm, opts)
-    seconds["compile"] = time.perf_counter() - t1
-    threads = None
-    if isinstance(compiled, TorchThreads):
-        compiled, threads = compiled.graph, compiled.n
-    regions: list[RegionArtifact] = []
-    graph = compiled.graph
-    for node in list(graph.nodes):
-        mod = compiled.get_submodule(node.target) if node.op == "call_module" else None
-        if not isinstance(mod, RegionCall):
-            continue
-        c = mod.compiled
-        art = RegionArtifact(
-            name=mod.name,
-            key=c.key[:32],
-            model=c.artifact[0],
-            weights=c.artifact[1],
-            input_names=list(c.executor.input_names),
-            inputs=[(tuple(s), d) for s, d in mod.expected],
-            outputs=[(tuple(s) if s is not None else (), _out_dtype(mod, i))
-                     for i, s in enumerate(mod.out_shapes)],
-        )
-        open_region(art.key, mod, art.outputs)
-        regions.append(art)
-        with graph.inserting_before(node):
-            call = graph.call_function(torch.ops.fxpass.region.default, (art.key, list(node.args)))
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-    _weights_as_attributes(compiled)
-    flat_out = GraphModule(compiled, graph)
-    say(f"torch.export of the spliced graph ({len(regions)} region(s))")
-    t2 = time.perf_counter()
-    program = _Spliced(flat_out, ep.call_spec.out_spec)
-    with torch.no_grad():
-        final = torch.export.export(program, args, kwargs, strict=False)
-    seconds["splice_export"] = time.perf_counter() - t2
-    seconds["total"] = time.perf_counter() - t0
-    return Program(final, regions, report, opts, threads, seconds)
-
-
-def _out_dtype(mod: Any, i: int) -> torch.dtype:
-    (out,) = mod._eager().graph.find_nodes(op="output")
-    return out.args[0][i].meta["val"].dtype
-
-
-class _Spliced(torch.nn.Module):
-    """The spliced graph behind the model's own call signature (pytree in, pytree out)."""
-
-    def __init__(self, gm: GraphModule, out_spec: Any):
-        super().__init__()
-        self.gm = gm
-        self.out_spec = out_spec
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        flat = pytree.tree_leaves((args, kwargs))
-        return pytree.tree_unflatten(list(self.gm(*flat)), self.out_spec)
-
-
-def _pipeline_graph(ep: ExportedProgram) -> GraphModule:
-    """``ep``'s graph as the JIT backend gets it from AOTAutograd: parameters, buffers and
-    constants are placeholders marked frozen (``meta[FROZEN]`` = the tensor), user inputs
-    plain placeholders; export's own metadata asserts are dropped (inputs are checked where
-    the program is called)."""
-    sig = ep.graph_signature
-    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
-        written = sorted({*sig.buffers_to_mutate.values(), *sig.user_inputs_to_mutate.values()})
+    if low.state:
         raise ExportError(
-            f"the model writes {written} in place; export() takes models whose calls are "
-            "pure functions of their inputs. A KV cache belongs to export_for_generate"
-        )
-    gm = ep.graph_module
-    phs = gm.graph.find_nodes(op="placeholder")
-    for ph, spec in zip(phs, sig.input_specs, strict=True):
-        if spec.kind == InputKind.USER_INPUT:
-            continue
-        t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else (
-            ep.constants.get(spec.target))
-        if not isinstance(t, torch.Tensor):
-            raise ExportError(f"input {spec.target!r} of kind {spec.kind.name} has no tensor")
-        ph.meta[FROZEN] = t.detach()
-        if spec.kind != InputKind.PARAMETER:
-            ph.meta[FROZEN_BUFFER] = True
-        ph.meta[SOURCE] = spec.target
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(n)
-    return gm
-
-
-def _weights_as_attributes(gm: GraphModule) -> None:
-    """Frozen placeholders the CPU ops still read become attributes of ``gm`` (the re-export
-    lifts them into the program's state); those only regions read are dropped: their data
-    lives in the regions' artifacts, so every weight is stored once."""
-    taken: set[str] = set()
-    for ph in list(gm.graph.find_nodes(op="placeholder")):
-        t = ph.meta.get(FROZEN)
-        if t is None:
-            continue
-        if ph.users:
-            name = _attr_name(ph.meta.get(SOURCE) or ph.name, taken)
-            gm.register_buffer(name, t)
-            with gm.graph.inserting_before(ph):
-                ga = gm.graph.get_attr(name)
-            ga.meta.update(ph.meta)
-            ph.replace_all_uses_with(ga)
-        gm.graph.erase_node(ph)
-
-
-def _attr_name(source: str, taken: set[str]) -> str:
-    base = "w_" + re.sub(r"\W", "_", source)
-    name, i = base, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
+            f"the model writes {sorted(low.state)} in place; export() takes models whose calls "
+            "are pure functions of their inputs. A KV cache belongs to export_for_generate")
+    return Program(low, opts)

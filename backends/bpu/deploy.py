@@ -52,10 +52,15 @@ def export_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _random_inputs(manifest: dict[str, Any]) -> list[torch.Tensor]:
+def _random_inputs(specs: list[dict[str, Any]]) -> list[Any]:
     gen = torch.Generator().manual_seed(0)
-    out = []
-    for spec in manifest["inputs"]:
+    out: list[Any] = []
+    for spec in specs:
+        if "shape" not in spec:  # a Python constant the program was specialized on
+            import ast
+
+            out.append(ast.literal_eval(spec["value"]))
+            continue
         dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
         if dtype.is_floating_point:
             out.append(torch.randn(spec["shape"], generator=gen).to(dtype))
@@ -79,10 +84,9 @@ def run_main(args: argparse.Namespace) -> int:
     if args.inputs:
         call_args, call_kwargs = torch.load(args.inputs)
     else:  # the exported specs, in the program's flat order
-        spec = program.module._in_spec if hasattr(program.module, "_in_spec") else None
-        flat = _random_inputs(program.manifest)
-        call_args, call_kwargs = (pytree.tree_unflatten(flat, spec) if spec is not None
-                                  else (tuple(flat), {}))
+        main = program.programs["main"]
+        flat = _random_inputs(main.spec["inputs"])
+        call_args, call_kwargs = pytree.tree_unflatten(flat, main.in_spec)
     with torch.no_grad():
         t1 = time.perf_counter()
         out = program(*call_args, **call_kwargs)

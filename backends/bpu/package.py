@@ -1,28 +1,33 @@
-"""The package on disk: ``save(program, path)`` and ``load(path)``, verified, nothing recompiled.
+"""The package on disk: ``save`` and ``load``, verified, nothing recompiled.
 
 One directory::
 
-    manifest.json          format, fxpass/torch/onnxruntime versions, march, executor, the rule
-                           set (name, plugin, version, source digest), input and output specs,
-                           every region (key, files, input/output specs), every file's size and
-                           checksum
-    program.pt2            torch.export.save of the ExportedProgram: the CPU ops and the weights
-                           they read; each region is one torch.ops.fxpass.region call
-    regions/<name>.onnx    the region's model (host executor), its weights as external data in
-    regions/<name>.bin     <name>.bin: every weight is stored once, in the program or a region
+    manifest.json           format; fxpass, torch and onnxruntime versions; march, executor; the
+                            rule set (name, plugin, version, source digest); per program its
+                            inputs, outputs, state and weights (offset and size in weights.bin);
+                            per region its key, model file and input/output specs; every file's
+                            size and checksum; the manifest's own digest
+    <program>.pt2           torch.export.save of each ExportedProgram (main, or prefill and
+                            decode): the CPU ops; each region is one torch.ops.fxpass.region call
+    region_<name>.onnx      each region's model for the host executor; its weights are external
+                            data in weights.bin
+    weights.bin             every weight once, deduplicated by content across programs and
+                            regions; tensors of 64 KiB or more start on a 64 KiB boundary, so
+                            onnxruntime and the loader map them from the file
 
-Why a directory of plain files: a board-side loader needs the ONNX/``.hbm`` files and the
-manifest without Python pickles, and onnxruntime maps external weights straight from the file.
+Why plain files: a board-side loader reads the manifest, the region models and weights.bin
+without Python; onnxruntime maps external weights straight from the file.
 
-``load`` checks everything before it runs anything: the manifest's format and versions, that
-the executor can run the march, every file's size (a truncated copy) and checksum (an edited
-one). It opens each region's session from its files and registers it for the custom op; it
-runs no rule, no partition, no lowering and no Dynamo trace. Calls check their inputs' shapes
-and dtypes against the exported ones.
+``load`` checks everything before it runs anything: the manifest's format, digest and
+versions, that the executor can run the march, every file's size (a truncated copy) and
+checksum (an edited one). It opens each region's session from its files, maps the weights and
+registers the regions for the custom op; it runs no rule, no partition, no lowering and no
+Dynamo trace. Calls check their inputs' shapes and dtypes against the exported ones.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
@@ -38,7 +44,8 @@ from fxpass.backends.bpu.digest import HASH_NAME, hasher
 
 FORMAT = "fxpass-package/1"
 MANIFEST = "manifest.json"
-PROGRAM = "program.pt2"
+WEIGHTS = "weights.bin"
+ALIGN = 64 * 1024
 _DTYPES = {str(d): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -56,45 +63,61 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _spec(t: Any) -> dict[str, Any] | None:
+def _spec(t: Any) -> dict[str, Any]:
     if isinstance(t, torch.Tensor):
         return {"shape": list(t.shape), "dtype": str(t.dtype)}
-    return None
+    return {"value": repr(t)}
 
 
-def _io_specs(ep: Any) -> tuple[list[dict], list[dict]]:
-    """(inputs, outputs) of the program, flattened in pytree order, with their paths."""
-    ins, outs = [], []
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind.name != "USER_INPUT":
-            continue
-        node = next(n for n in ep.graph.find_nodes(op="placeholder") if n.name == spec.arg.name)
-        val = node.meta.get("val")
-        ins.append({"name": spec.arg.name, **(_spec(val) or {"value": repr(val)})})
-    (out,) = ep.graph.find_nodes(op="output")
-    for i, a in enumerate(out.args[0]):
-        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-        outs.append({"index": i, **(_spec(val) or {"value": repr(val)})})
-    return ins, outs
+class _WeightsFile:
+    """weights.bin being written: each distinct content once (by dtype, shape and bytes)."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self.offset = 0
+        self.seen: dict[tuple, tuple[int, int]] = {}
+
+    def add(self, data: np.ndarray, kind: str) -> tuple[int, int]:
+        a = np.ascontiguousarray(data)
+        raw = memoryview(a.reshape(-1).view(np.uint8))
+        h = hasher()
+        h.update(raw)
+        key = (kind, a.shape, h.hexdigest())
+        if key in self.seen:
+            return self.seen[key]
+        if a.nbytes >= ALIGN and self.offset % ALIGN:
+            pad = ALIGN - self.offset % ALIGN
+            self.f.write(bytes(pad))
+            self.offset += pad
+        self.f.write(raw)
+        self.seen[key] = (self.offset, a.nbytes)
+        self.offset += a.nbytes
+        return self.seen[key]
+
+    def close(self) -> None:
+        self.f.close()
 
 
-def _spec_modules(ep: Any) -> list[str]:
-    """Modules that define the container types of the program's inputs and outputs (HF's
-    ``ModelOutput`` classes): importing one registers its types with pytree, which
-    ``torch.export.load`` needs to rebuild the call signature in a fresh process."""
+def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+
+
+def _spec_modules(*specs: Any) -> list[str]:
+    """Modules that define the container types of the inputs and outputs (HF's ``ModelOutput``
+    classes): importing one registers its types with pytree, which rebuilding the call
+    signature in a fresh process needs."""
     found: set[str] = set()
 
     def walk(spec: Any) -> None:
-        t = getattr(spec, "type", None)
-        mod = getattr(t, "__module__", "builtins")
-        if t is not None and mod not in ("builtins", "collections") and not mod.startswith(
-                "torch"):
+        mod = getattr(getattr(spec, "type", None), "__module__", "builtins")
+        if mod not in ("builtins", "collections") and not mod.startswith("torch"):
             found.add(mod)
         for child in spec.children() if hasattr(spec, "children") else ():
             walk(child)
 
-    walk(ep.call_spec.in_spec)
-    walk(ep.call_spec.out_spec)
+    for s in specs:
+        walk(s)
     return sorted(found)
 
 
@@ -106,7 +129,7 @@ def _rule_set(options: dict[str, Any]) -> list[dict[str, Any]]:
                          disable=options.get("disable"), only=options.get("only"))
     out = []
     for r in rules:
-        name, plugin, version, *_rest, module, source, packages = rule_identity(r)
+        name, plugin, version, *_rest, module, source, _packages = rule_identity(r)
         out.append({"name": name, "plugin": plugin, "version": version, "module": module,
                     "source": source})
     return out
@@ -121,12 +144,51 @@ def _versions() -> dict[str, str]:
             "onnxruntime": onnxruntime.__version__}
 
 
-def save(program: Any, path: str | os.PathLike, *,
-         progress: Callable[[str], None] | None = None) -> str:
-    """Write ``program`` (from ``export``) to the directory ``path``, atomically: everything
-    goes to a temporary directory beside it, renamed into place when complete."""
-    from fxpass.backends.bpu.lowering.driver import point_external, write_weights_file
+def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
+                   say: Callable[[str], None]) -> dict[str, Any]:
+    from fxpass.backends.bpu.lowering.driver import point_external
 
+    say(f"writing {name}.pt2")
+    torch.export.save(low.program, tmp / f"{name}.pt2")
+    weights = []
+    for wname, t in low.weights.items():
+        offset, nbytes = wf.add(_tensor_bytes(t), str(t.dtype))
+        weights.append({"name": wname, "dtype": str(t.dtype), "shape": list(t.shape),
+                        "offset": offset, "bytes": nbytes})
+    regions = []
+    for r in low.regions:
+        say(f"writing region {r.name}")
+        layout = {}
+        for wname, (dtype, _shape, array) in r.weights.items():
+            layout[wname] = wf.add(array(), f"onnx:{dtype}")
+        model = type(r.model)()
+        model.CopyFrom(r.model)
+        point_external(model, r.weights, layout, WEIGHTS)
+        fname = f"region_{r.name}.onnx"
+        (tmp / fname).write_bytes(model.SerializeToString())
+        regions.append({
+            "name": r.name, "key": r.key, "executor": "onnxruntime", "model": fname,
+            "input_names": r.input_names,
+            "inputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.inputs],
+            "outputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.outputs],
+        })
+    return {
+        "file": f"{name}.pt2",
+        "in_spec": pytree.treespec_dumps(low.in_spec),
+        "out_spec": pytree.treespec_dumps(low.out_spec),
+        "inputs": [_spec(x) for x in low.inputs],
+        "weights": weights,
+        "state": [{"name": k, **_spec(t)} for k, t in low.state.items()],
+        "regions": regions,
+        "cpu_threads": low.cpu_threads,
+    }
+
+
+def save(programs: dict[str, Any], options: dict[str, Any], path: str | os.PathLike, *,
+         extra: dict[str, Any] | None = None,
+         progress: Callable[[str], None] | None = None) -> str:
+    """Write ``programs`` (name -> ``aot.Lowered``) to the directory ``path``, atomically:
+    everything goes to a temporary directory beside it, renamed into place when complete."""
     say = progress or (lambda _msg: None)
     dest = Path(path)
     if dest.exists() and not (dest / MANIFEST).exists() and any(dest.iterdir()):
@@ -135,40 +197,27 @@ def save(program: Any, path: str | os.PathLike, *,
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a package is copied and read by others
     try:
-        say(f"writing {PROGRAM}")
-        torch.export.save(program.exported_program, tmp / PROGRAM)
-        (tmp / "regions").mkdir()
-        regions = []
-        for r in program.regions:
-            say(f"writing region {r.name}")
-            layout = write_weights_file(r.weights, str(tmp / "regions" / f"{r.name}.bin"))
-            model = type(r.model)()
-            model.CopyFrom(r.model)
-            point_external(model, r.weights, layout, f"{r.name}.bin")
-            (tmp / "regions" / f"{r.name}.onnx").write_bytes(model.SerializeToString())
-            regions.append({
-                "name": r.name, "key": r.key, "executor": "onnxruntime",
-                "model": f"regions/{r.name}.onnx", "weights": f"regions/{r.name}.bin",
-                "input_names": r.input_names,
-                "inputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.inputs],
-                "outputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.outputs],
-            })
-        ins, outs = _io_specs(program.exported_program)
+        wf = _WeightsFile(tmp / WEIGHTS)
+        try:
+            written = {name: _write_program(name, low, tmp, wf, say)
+                       for name, low in programs.items()}
+        finally:
+            wf.close()
+        first = next(iter(programs.values()))
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            rel = f.relative_to(tmp).as_posix()
-            files[rel] = {"bytes": f.stat().st_size, HASH_NAME: _file_digest(f)}
+            files[f.relative_to(tmp).as_posix()] = {
+                "bytes": f.stat().st_size, HASH_NAME: _file_digest(f)}
         manifest = {
             "format": FORMAT,
-            "imports": _spec_modules(program.exported_program),
             "versions": _versions(),
-            "march": program.report.march,
-            "executor": program.report.executor,
-            "cpu_threads": program.cpu_threads,
-            "rules": _rule_set(program.options),
-            "inputs": ins,
-            "outputs": outs,
-            "regions": regions,
+            "march": first.report.march,
+            "executor": first.report.executor,
+            "rules": _rule_set(options),
+            "imports": _spec_modules(*(s for low in programs.values()
+                                       for s in (low.in_spec, low.out_spec))),
+            "programs": written,
+            **(extra or {}),
             "checksum": HASH_NAME,
             "files": files,
         }
@@ -183,9 +232,9 @@ def save(program: Any, path: str | os.PathLike, *,
 
 
 def _manifest_digest(manifest: dict[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "digest"}
     h = hasher()
-    h.update(json.dumps(body, sort_keys=True).encode())
+    h.update(json.dumps({k: v for k, v in manifest.items() if k != "digest"},
+                        sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -196,7 +245,7 @@ def sign(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of package ``path``, checked for format and versions (no file read)."""
+    """The manifest of package ``path``, checked for format, digest and versions."""
     root = Path(path)
     mpath = root / MANIFEST
     if not mpath.is_file():
@@ -209,31 +258,38 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                            "truncated; export it again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise PackageError(f"{mpath}: format {got!r}, this fxpass reads "
-                           f"{FORMAT!r}; export the model again with this fxpass")
-    if manifest.get("checksum") == HASH_NAME and manifest.get("digest") != _manifest_digest(
-            manifest):
+        raise PackageError(f"{mpath}: format {got!r}, this fxpass reads {FORMAT!r}; export the "
+                           "model again with this fxpass")
+    if manifest.get("checksum") != HASH_NAME:
+        raise PackageError(f"{mpath}: checksums are {manifest.get('checksum')}, this process "
+                           f"hashes with {HASH_NAME} (install xxhash, as fxpass requires)")
+    if manifest.get("digest") != _manifest_digest(manifest):
         raise PackageError(f"{mpath} does not match its own digest: the manifest was edited; "
                            "copy the package again (or export again)")
     made, here = manifest.get("versions", {}), _versions()
-    for tool, same in (("fxpass", 2), ("torch", 2)):  # major.minor must agree
-        a = str(made.get(tool, "?")).split("+")[0].split(".")[:same]
-        b = here[tool].split("+")[0].split(".")[:same]
+    for tool in ("fxpass", "torch"):  # major.minor must agree
+        a = str(made.get(tool, "?")).split("+")[0].split(".")[:2]
+        b = here[tool].split("+")[0].split(".")[:2]
         if a != b:
             raise PackageError(
                 f"{mpath}: made with {tool} {made.get(tool)}, this process has {here[tool]}; "
                 f"a package loads with the {tool} release ({'.'.join(b)}) that made it. Export "
                 "the model again here, or load it where that release is installed")
+    from fxpass.backends.bpu.capability import MARCHES
+
+    m, ex = manifest.get("march"), manifest.get("executor")
+    if m not in MARCHES:
+        raise PackageError(f"{mpath}: march {m!r} is not one this fxpass knows "
+                           f"({sorted(MARCHES)})")
+    if ex != "onnxruntime":
+        raise PackageError(f"{mpath}: executor {ex!r} cannot run here: this loader runs "
+                           "onnxruntime (host) regions only")
     return manifest
 
 
 def verify(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists exists with its size and checksum; nothing else is read."""
+    """Every file the manifest lists exists with its size and checksum."""
     root = Path(path)
-    algo = manifest.get("checksum")
-    if algo != HASH_NAME:
-        raise PackageError(f"{root / MANIFEST}: checksums are {algo}, this process hashes with "
-                           f"{HASH_NAME} (install xxhash, as fxpass's requirements do)")
     for rel, want in manifest["files"].items():
         f = root / rel
         if not f.is_file():
@@ -242,45 +298,45 @@ def verify(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
         if size != want["bytes"]:
             raise PackageError(f"{f} is {size} bytes, the manifest says {want['bytes']}: the file "
                                "was truncated or replaced; copy the package again")
-        if _file_digest(f) != want[algo]:
+        if _file_digest(f) != want[HASH_NAME]:
             raise PackageError(f"{f} does not match its checksum in the manifest: the file was "
                                "edited or corrupted; copy the package again (or export again)")
 
 
-def _check_executor(manifest: dict[str, Any], root: Path) -> None:
-    from fxpass.backends.bpu.capability import MARCHES
+class LoadedProgram:
+    """One program of a package: ``flat(*inputs)`` runs it on flat user inputs (weights and
+    state supplied); ``__call__`` takes the model's own signature and checks the inputs."""
 
-    m, ex = manifest.get("march"), manifest.get("executor")
-    if m not in MARCHES:
-        raise PackageError(f"{root / MANIFEST}: march {m!r} is not one this fxpass knows "
-                           f"({sorted(MARCHES)})")
-    if ex != "onnxruntime":
-        raise PackageError(f"{root / MANIFEST}: executor {ex!r} cannot run here: this loader "
-                           "runs onnxruntime (host) regions only")
+    def __init__(self, root: Path, name: str, spec: dict[str, Any], weights: np.memmap,
+                 state: dict[str, torch.Tensor]):
+        from fxpass.backends.bpu.aot import inplace, threads
 
+        self.path, self.name, self.spec = root, name, spec
+        self.weights = [
+            torch.frombuffer(weights, dtype=_DTYPES[w["dtype"]],
+                             count=w["bytes"] // _DTYPES[w["dtype"]].itemsize,
+                             offset=w["offset"]).view(w["shape"]) if w["bytes"] else
+            torch.empty(w["shape"], dtype=_DTYPES[w["dtype"]])
+            for w in spec["weights"]]
+        self.state = [state[s["name"]] for s in spec["state"]]
+        self.in_spec = pytree.treespec_loads(spec["in_spec"])
+        self.out_spec = pytree.treespec_loads(spec["out_spec"])
+        self._inputs = [(tuple(i["shape"]), _DTYPES[i["dtype"]]) if "shape" in i else None
+                        for i in spec["inputs"]]
+        ep = torch.export.load(root / spec["file"])
+        self._run = threads(inplace(ep), spec.get("cpu_threads"))
+        self._prefix = (*self.weights, *self.state)
 
-class Loaded:
-    """A loaded package: call it with the model's own signature."""
+    def flat(self, *inputs: Any) -> list[Any]:
+        """Run on the flat user inputs, unchecked (the generate loop's per-token path)."""
+        return self._run(*self._prefix, *inputs)
 
-    def __init__(self, root: Path, manifest: dict[str, Any], module: Any, regions: list[Any]):
-        self.path, self.manifest, self.module, self.regions = root, manifest, module, regions
-        self._inputs = [
-            (i["name"], tuple(i["shape"]), _DTYPES.get(i["dtype"])) if "shape" in i else None
-            for i in manifest["inputs"]
-        ]
-        n = manifest.get("cpu_threads")
-        from fxpass.backends.bpu.aot import _threads
-
-        self._run = _threads(module, n)
-
-    def check(self, args: tuple, kwargs: dict[str, Any]) -> None:
+    def check(self, leaves: list[tuple[Any, Any]]) -> None:
         """Inputs of the exported count, shapes and dtypes, else a ValueError naming the one."""
-        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
         if len(leaves) != len(self._inputs):
             raise ValueError(
-                f"{self.path}: the program takes {len(self._inputs)} input(s) "
-                f"({[i[0] for i in self._inputs if i]}), got {len(leaves)}: call it as the "
-                "model was exported")
+                f"{self.path}: program {self.name!r} takes {len(self._inputs)} input(s), got "
+                f"{len(leaves)}: call it as the model was exported")
         for (kp, v), want in zip(leaves, self._inputs, strict=True):
             if want is None:
                 continue
@@ -288,7 +344,7 @@ class Loaded:
             if not isinstance(v, torch.Tensor):
                 raise ValueError(f"{self.path}: input {where} must be a tensor, got "
                                  f"{type(v).__name__}")
-            name, shape, dtype = want
+            shape, dtype = want
             if tuple(v.shape) != shape or v.dtype != dtype:
                 raise ValueError(
                     f"{self.path}: input {where} is {v.dtype}{list(v.shape)}, the program was "
@@ -296,44 +352,75 @@ class Loaded:
                     "or export again with this one")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.check(args, kwargs)
-        return self._run(*args, **kwargs)
+        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+        self.check(leaves)
+        return pytree.tree_unflatten(self.flat(*[v for _, v in leaves]), self.out_spec)
 
 
-def load(path: str | os.PathLike) -> Loaded:
-    """Open package ``path``: verified, no rule, partition, compile or trace runs."""
+class Package:
+    """A loaded package: its programs by name (``programs``), its manifest and regions."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any], programs: dict[str, LoadedProgram],
+                 regions: list[Any], state: dict[str, torch.Tensor]):
+        self.path, self.manifest, self.programs = root, manifest, programs
+        self.regions, self.state = regions, state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if set(self.programs) != {"main"}:
+            raise TypeError(f"{self.path} holds programs {sorted(self.programs)}, not one to "
+                            "call; a generation package is run with load(path).generate(...)")
+        return self.programs["main"](*args, **kwargs)
+
+
+def open_package(path: str | os.PathLike) -> Package:
+    """Verify package ``path`` and open every program and region in it (no compile)."""
     from fxpass.backends.bpu.aot import open_region
     from fxpass.backends.bpu.runtime import OrtExecutor, RegionCall
 
     root = Path(path)
     manifest = read_manifest(root)
-    _check_executor(manifest, root)
     verify(root, manifest)
-    regions = []
-    for r in manifest["regions"]:
-        model = root / r["model"]
-        try:
-            ex = OrtExecutor(str(model), r["input_names"])
-        except Exception as e:
-            raise PackageError(f"{model}: onnxruntime cannot open it: {e}") from e
-        expected = [torch.empty(i["shape"], dtype=_DTYPES[i["dtype"]], device="meta")
-                    for i in r["inputs"]]
-        outs = [(tuple(o["shape"]), _DTYPES[o["dtype"]]) for o in r["outputs"]]
-
-        def no_eager(name: str = r["name"]) -> Any:
-            raise PackageError(f"region {name} of {root} failed and a package has no eager copy")
-
-        call = RegionCall(r["name"], ex, no_eager, expected, strict=True,
-                          out_shapes=[torch.Size(s) for s, _ in outs])
-        open_region(r["key"], call, outs)
-        regions.append(call)
-    import importlib
-
     for mod in manifest.get("imports", []):
         try:
             importlib.import_module(mod)
         except ImportError as e:
             raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are types of "
                                f"{mod!r}, which does not import here ({e}); install it") from e
-    ep = torch.export.load(root / PROGRAM)
-    return Loaded(root, manifest, ep.module(), regions)
+    weights = np.memmap(root / WEIGHTS, mode="c") if (root / WEIGHTS).stat().st_size else (
+        np.zeros(0, np.uint8))
+    regions, state, programs = [], {}, {}
+    for name, spec in manifest["programs"].items():
+        for r in spec["regions"]:
+            model = root / r["model"]
+            try:
+                ex = OrtExecutor(str(model), r["input_names"])
+            except Exception as e:
+                raise PackageError(f"{model}: onnxruntime cannot open it: {e}") from e
+            expected = [torch.empty(i["shape"], dtype=_DTYPES[i["dtype"]], device="meta")
+                        for i in r["inputs"]]
+            outs = [(tuple(o["shape"]), _DTYPES[o["dtype"]]) for o in r["outputs"]]
+
+            def no_eager(region: str = r["name"]) -> Any:
+                raise PackageError(f"region {region} of {root} failed; a package has no eager "
+                                   "copy of it")
+
+            call = RegionCall(r["name"], ex, no_eager, expected, strict=True,
+                              out_shapes=[torch.Size(s) for s, _ in outs])
+            open_region(r["key"], call, outs)
+            regions.append(call)
+        for s in spec["state"]:  # shared by name between programs (prefill and decode)
+            state.setdefault(s["name"], torch.zeros(s["shape"], dtype=_DTYPES[s["dtype"]]))
+        programs[name] = LoadedProgram(root, name, spec, weights, state)
+    return Package(root, manifest, programs, regions, state)
+
+
+def load(path: str | os.PathLike) -> Any:
+    """Open package ``path``: verified, no rule, partition, compile or trace runs. A package
+    from ``export`` gives a callable with the model's signature; one from
+    ``export_for_generate`` a runner with ``generate(...)``."""
+    pkg = open_package(path)
+    if "generate" in pkg.manifest:
+        from fxpass.backends.bpu.runner import Runner
+
+        return Runner(pkg)
+    return pkg

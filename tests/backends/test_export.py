@@ -107,7 +107,7 @@ def test_load_refuses_wrong_input_shape_and_dtype(bert_package):
 
 def test_load_refuses_a_truncated_file(bert_package, tmp_path):
     path = _copy(bert_package[3], tmp_path / "p")
-    region = next((path / "regions").glob("*.bin"))
+    region = path / "weights.bin"
     data = region.read_bytes()
     region.write_bytes(data[: len(data) // 2])
     with pytest.raises(PackageError, match=rf"{region.name} is \d+ bytes, the manifest says"):
@@ -116,7 +116,7 @@ def test_load_refuses_a_truncated_file(bert_package, tmp_path):
 
 def test_load_refuses_an_edited_file(bert_package, tmp_path):
     path = _copy(bert_package[3], tmp_path / "p")
-    region = next((path / "regions").glob("*.bin"))
+    region = path / "weights.bin"
     data = bytearray(region.read_bytes())
     data[len(data) // 2] ^= 0x40  # one weight's bits: same size, different value
     region.write_bytes(bytes(data))
@@ -127,7 +127,7 @@ def test_load_refuses_an_edited_file(bert_package, tmp_path):
 def test_load_refuses_an_edited_manifest(bert_package, tmp_path):
     path = _copy(bert_package[3], tmp_path / "p")
     m = json.loads((path / MANIFEST).read_text())
-    m["inputs"][0]["shape"] = [1, 8]  # edited by hand, not re-signed
+    m["programs"]["main"]["inputs"][0]["shape"] = [1, 8]  # edited by hand, not re-signed
     (path / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(PackageError, match="manifest.json does not match its own digest"):
         load(path)
@@ -135,7 +135,7 @@ def test_load_refuses_an_edited_manifest(bert_package, tmp_path):
 
 def test_load_refuses_a_missing_file(bert_package, tmp_path):
     path = _copy(bert_package[3], tmp_path / "p")
-    next((path / "regions").glob("*.onnx")).unlink()
+    next(path.glob("region_*.onnx")).unlink()
     with pytest.raises(PackageError, match=r"\.onnx is missing from the package"):
         load(path)
 
@@ -191,9 +191,10 @@ def test_a_region_program_called_without_load_names_the_fix(bert_package, tmp_pa
     key = program.regions[0].key
     live = export_mod._LIVE.pop(key)
     try:
-        ep = torch.export.load(path / "program.pt2")
+        ep = torch.export.load(path / "main.pt2")
+        low = program.lowered
         with pytest.raises(RuntimeError, match="is not open in this process.*load"):
-            ep.module()(**kw)
+            ep.module()(*low.weights.values(), *kw.values())
     finally:
         export_mod._LIVE[key] = live
 
