@@ -220,18 +220,16 @@ def _aten_graph(
 
     mod = ep.module()
     attrs: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for n in mod.graph.nodes:  # a tied weight (two names, one tensor) is one input
-        if (n.op == "get_attr" and isinstance(t := _attr(mod, n.target), torch.Tensor)
-                and id(t) not in seen):
+    for n in mod.graph.nodes:  # a tied weight is two inputs; weights.bin stores it once
+        if n.op == "get_attr" and isinstance(t := _attr(mod, n.target), torch.Tensor):
             attrs[n.target] = t
-            seen.add(id(t))
     names = list(attrs)
     flat_user, spec = pytree.tree_flatten((args, kwargs))
 
     def call(*flat: Any) -> Any:
         a, k = pytree.tree_unflatten(list(flat[len(names):]), spec)
-        return pytree.tree_leaves(functional_call(mod, dict(zip(names, flat, strict=False)), a, k))
+        state = dict(zip(names, flat, strict=False))
+        return pytree.tree_leaves(functional_call(mod, state, a, k, tie_weights=False))
 
     with FakeTensorMode(allow_non_fake_inputs=False) as fm:
         fakes = [fm.from_tensor(t) if isinstance(t, torch.Tensor) else t
@@ -297,6 +295,10 @@ def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
             with g.inserting_before(out):
                 g.call_function(aten.copy_.default, (target, v))
     out.args = (tuple(keep),)
+    for n in g.find_nodes(op="call_function", target=torch.ops.fxpass.region.default):
+        # bound directly: the dispatcher's custom-op path (autograd wrapper, alias checks)
+        # cost ~40 us per call, a tenth of a small decode step's time outside its region
+        n.target, n.args = _direct(n.args[0]), tuple(n.args[1])
     gm.recompile()
     consts = [ep.state_dict[s.target] if s.target in ep.state_dict else ep.constants[s.target]
               for s in lifted]
@@ -305,6 +307,18 @@ def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
         return list(gm(*consts, *flat))
 
     return run
+
+
+def _direct(key: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+    fn = _LIVE.get(key)
+    if fn is None:
+        raise RuntimeError(f"fxpass region {key!r} is not open in this process")
+
+    def region_call(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fn(*inputs)
+
+    region_call.__name__ = f"region_{key[:8]}"
+    return region_call
 
 
 @dataclass
@@ -408,3 +422,80 @@ def export(
             f"the model writes {sorted(low.state)} in place; export() takes models whose calls "
             "are pure functions of their inputs. A KV cache belongs to export_for_generate")
     return Program(low, opts)
+
+
+@dataclass
+class GenerateProgram:
+    """What :func:`export_for_generate` returns: a prefill and a decode program over one
+    static KV cache; ``save(path)`` it, then ``load(path).generate(...)``."""
+
+    prefill: Lowered
+    decode: Lowered
+    options: dict[str, Any]
+    generate: dict[str, Any]
+
+    def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:
+        from fxpass.backends.bpu.package import save
+
+        return save({"prefill": self.prefill, "decode": self.decode}, self.options, path,
+                    extra={"generate": self.generate}, progress=progress)
+
+
+def export_for_generate(
+    model: torch.nn.Module,
+    *,
+    max_cache_len: int,
+    prefill_length: int,
+    batch_size: int = 1,
+    options: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GenerateProgram:
+    """Export a decoder-only HF model for generation: transformers' own static-cache module
+    (``TorchExportableModuleWithStaticCache``: the cache as buffers it writes in place),
+    exported twice through the BPU pipeline: ``prefill`` takes ``prefill_length`` tokens,
+    ``decode`` one. Both read and write the same cache (state shared by name in the package).
+    """
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    for name, v, low in (("max_cache_len", max_cache_len, 2), ("prefill_length", prefill_length, 1),
+                         ("batch_size", batch_size, 1)):
+        if not isinstance(v, int) or v < low:
+            raise ExportError(f"export_for_generate: {name} must be an int >= {low}, got {v!r}")
+    if prefill_length > max_cache_len:
+        raise ExportError(f"export_for_generate: prefill_length {prefill_length} is longer than "
+                          f"the cache ({max_cache_len}); choose prefill_length <= max_cache_len")
+    opts = export_options(options)
+    say = progress or (lambda _m: None)
+    gc = model.generation_config
+    saved = (gc.cache_implementation, gc.use_cache, model.training)
+    gc.cache_implementation, gc.use_cache = "static", True
+    model.eval()
+    try:
+        wrapper = TorchExportableModuleWithStaticCache(
+            model, batch_size=batch_size, max_cache_len=max_cache_len)
+        progs = {}
+        for name, length in (("prefill", prefill_length), ("decode", 1)):
+            say(f"{name} program ({length} token(s) x batch {batch_size})")
+            ids = torch.zeros(batch_size, length, dtype=torch.long)
+            progs[name] = lower(wrapper, (), {"input_ids": ids,
+                                              "cache_position": torch.arange(length)}, opts, say)
+    finally:
+        gc.cache_implementation, gc.use_cache = saved[0], saved[1]
+        model.train(saved[2])
+    pre, dec = progs["prefill"], progs["decode"]
+    if {k: tuple(t.shape) for k, t in pre.state.items()} != {
+            k: tuple(t.shape) for k, t in dec.state.items()} or not pre.state:
+        raise ExportError(
+            f"export_for_generate: the prefill and decode programs write different state "
+            f"({sorted(pre.state)} against {sorted(dec.state)}); this model's cache is not the "
+            "static cache transformers' export module makes")
+    ids = getattr(gc, "eos_token_id", None)
+    meta = {
+        "max_cache_len": max_cache_len,
+        "prefill_length": prefill_length,
+        "batch_size": batch_size,
+        "eos_token_id": [ids] if isinstance(ids, int) else list(ids or []),
+        "pad_token_id": getattr(gc, "pad_token_id", None),
+        "model": type(model).__name__,
+    }
+    return GenerateProgram(pre, dec, opts, meta)

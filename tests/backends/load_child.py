@@ -1,6 +1,7 @@
 """Run in a fresh process by test_export: load a package, call it, report what ran.
 
-argv: package directory, inputs file (torch.save of (args, kwargs)), output file. Writes
+argv: package directory, inputs file (torch.save of (args, kwargs)), output file, and
+optionally "generate" (call ``program.generate(*args, **kwargs)`` instead). Writes
 torch.save of {"out": the flattened outputs, "stats": backend counters, "dynamo": Dynamo's
 frame counters, "modules": whether the compile pipeline's modules were imported}."""
 
@@ -26,7 +27,8 @@ def main() -> None:
     program = load(pkg)
     args, kwargs = torch.load(inputs)
     with torch.no_grad():
-        result = program(*args, **kwargs)
+        call = program.generate if sys.argv[4:5] == ["generate"] else program
+        result = call(*args, **kwargs)
     seconds = time.perf_counter() - t0
     from torch._dynamo.utils import counters
 

@@ -199,12 +199,13 @@ def test_a_region_program_called_without_load_names_the_fix(bert_package, tmp_pa
         export_mod._LIVE[key] = live
 
 
-def _fresh_process(path: Path, args, kwargs, tmp_path: Path) -> dict:
+def _fresh_process(path: Path, args, kwargs, tmp_path: Path, generate: bool = False) -> dict:
     inputs, out = tmp_path / "inputs.pt", tmp_path / "out.pt"
     torch.save((args, kwargs), inputs)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(
-        [sys.executable, "-m", "tests.backends.load_child", str(path), str(inputs), str(out)],
+        [sys.executable, "-m", "tests.backends.load_child", str(path), str(inputs), str(out),
+         *(["generate"] if generate else [])],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,0 +1,130 @@
+"""export_for_generate -> save -> load(path).generate(): HF's static-cache export module through
+the BPU pipeline, a prefill and a decode program over one cache, a lean loop of our own.
+
+Greedy tokens are compared with eager HF ``generate(cache_implementation="static")`` exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpass.backends.bpu import export_for_generate, load, zoo
+from tests.backends.test_export import _fresh_process
+
+CACHE, CHUNK = 48, 8
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def decoder(request, tmp_path_factory):
+    model, _ = zoo.get(request.param)
+    # min_compute_macs=0: the tiny decode step (0.1 MMACs) still gets its region
+    program = export_for_generate(model, max_cache_len=CACHE, prefill_length=CHUNK,
+                                  options={"min_compute_macs": 0})
+    path = program.save(tmp_path_factory.mktemp("gen") / request.param)
+    return model, program, path, load(path)
+
+
+def _prompt(n, seed=0, batch=1):
+    return torch.randint(3, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(model, ids, n, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=kw.pop("min_new", 0),
+                              do_sample=False, cache_implementation="static", **kw)
+
+
+def test_one_region_per_program(decoder):
+    _, program, _, runner = decoder
+    assert [len(p.report.regions) for p in (program.prefill, program.decode)] == [1, 1]
+    assert set(runner.package.programs) == {"prefill", "decode"}
+
+
+@pytest.mark.parametrize("length", [5, 8, 19])
+@pytest.mark.parametrize("tail", ["pad", "decode"])
+def test_greedy_tokens_equal_hf_static_cache(decoder, length, tail):
+    """Shorter than a chunk, exactly one, and two chunks plus a tail."""
+    model, _, _, runner = decoder
+    ids = _prompt(length, seed=length)
+    assert torch.equal(runner.generate(ids, max_new_tokens=12, tail=tail), _hf(model, ids, 12))
+
+
+def test_a_second_generate_does_not_see_the_first(decoder):
+    model, _, _, runner = decoder
+    a, b = _prompt(19, seed=1), _prompt(6, seed=2)
+    runner.generate(a, max_new_tokens=20)
+    assert torch.equal(runner.generate(b, max_new_tokens=10), _hf(model, b, 10))
+
+
+def test_eos_stops_like_hf(decoder):
+    model, _, _, runner = decoder
+    ids = _prompt(9, seed=3)
+    free = runner.generate(ids, max_new_tokens=10)
+    eos = int(free[0, 9 + 4])  # the fifth generated token
+    got = runner.generate(ids, max_new_tokens=10, eos_token_id=eos)
+    ref = _hf(model, ids, 10, min_new=0, eos_token_id=eos)
+    assert torch.equal(got, ref) and got.shape[1] < free.shape[1]
+
+
+def test_sampling_is_reproducible_with_a_seed(decoder):
+    _, _, _, runner = decoder
+    ids = _prompt(7, seed=4)
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
+    a = runner.generate(ids, seed=11, **kw)
+    assert torch.equal(a, runner.generate(ids, seed=11, **kw))
+    assert not torch.equal(a, runner.generate(ids, seed=12, **kw))
+    greedy = runner.generate(ids, max_new_tokens=10)
+    assert torch.equal(runner.generate(ids, max_new_tokens=10, do_sample=True, top_k=1, seed=5),
+                       greedy)  # top-k 1 is greedy: the sampling path keeps the right logits
+
+
+def test_streamer_sees_the_prompt_then_each_token(decoder):
+    _, _, _, runner = decoder
+
+    class Recorder:
+        def __init__(self):
+            self.seen, self.ended = [], False
+
+        def put(self, t):
+            self.seen.append(t.clone())
+
+        def end(self):
+            self.ended = True
+
+    rec, ids = Recorder(), _prompt(5, seed=6)
+    out = runner.generate(ids, max_new_tokens=4, streamer=rec)
+    assert rec.ended and torch.equal(rec.seen[0], ids) and len(rec.seen) == 5
+    assert torch.equal(torch.cat(rec.seen, 1), out)
+
+
+def test_clear_errors(decoder):
+    _, _, _, runner = decoder
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) plus max_new_tokens \(9\) is 49, "
+                                         r"past the cache of 48"):
+        runner.generate(_prompt(40), max_new_tokens=9)
+    with pytest.raises(ValueError, match="exported for batch size 1, got 2.*batch_size=2"):
+        runner.generate(_prompt(5, batch=2), max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty prompt"):
+        runner.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="2-D integer tensor"):
+        runner.generate(torch.zeros(5, dtype=torch.long), max_new_tokens=2)
+
+
+def test_export_for_generate_refuses_bad_sizes():
+    model, _ = zoo.get("qwen3")
+    with pytest.raises(RuntimeError, match="prefill_length 64 is longer than the cache"):
+        export_for_generate(model, max_cache_len=32, prefill_length=64)
+    with pytest.raises(RuntimeError, match="max_cache_len must be an int >= 2"):
+        export_for_generate(model, max_cache_len=0, prefill_length=1)
+
+
+@pytest.mark.slow
+def test_fresh_process_generates_hf_tokens_without_compiling(decoder, tmp_path):
+    model, _, path, _ = decoder
+    ids = _prompt(19, seed=7)
+    got = _fresh_process(path, (ids,), {"max_new_tokens": 16}, tmp_path, generate=True)
+    assert torch.equal(got["out"][0], _hf(model, ids, 16))
+    assert got["pass_manager_runs"] == 0
+    assert not {k: v for k, v in got["stats"].items()
+                if k in ("rules", "partition", "region_compiles")}
+    assert "frames" not in got["dynamo"] and "stats" not in got["dynamo"], got["dynamo"]
