@@ -256,16 +256,18 @@ def _aten_graph(
     return gm, roles, flat_user
 
 
-def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
-    """A callable running ``ep``'s graph on its flat inputs that writes the inputs it mutates
-    in place and returns the user outputs.
+def runtime_graph(ep: ExportedProgram) -> GraphModule:
+    """``ep``'s graph as a plain GraphModule over the flat user inputs, which writes the inputs
+    it mutates in place and returns the user outputs; lifted constants become attributes.
 
     Why: ``torch.export`` functionalizes the program's in-place writes (a KV cache's
     ``index_copy_``) into a new whole tensor returned as a mutation output, which
     ``ExportedProgram.module()`` then copies back: two passes over the whole cache per step.
     A mutation whose value is an ``index_copy`` of that very input, read by nothing after it,
     becomes the in-place ``index_copy_`` again (it writes only the new positions); any other
-    mutation is a ``copy_`` into the input after the graph's last use of it."""
+    mutation is a ``copy_`` into the input after the graph's last use of it. A package stores
+    this graph beside the ``.pt2`` (``plan.encode``), so loading it imports no Dynamo
+    (``torch.export.load`` does: 1.3 s of a fresh process's load)."""
     import copy
 
     aten = torch.ops.aten
@@ -273,20 +275,18 @@ def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
     g = gm.graph
     sig = ep.graph_signature
     phs = {n.name: n for n in g.find_nodes(op="placeholder")}
-    lifted = [s for s in sig.input_specs if s.kind.name != "USER_INPUT"]
+    by_target = {s.target: s.arg.name for s in sig.input_specs if s.target is not None}
     (out,) = g.find_nodes(op="output")
-    values = list(out.args[0])
     order = {n: i for i, n in enumerate(g.nodes)}
     keep = []
-    for spec, v in zip(sig.output_specs, values, strict=True):
-        if spec.kind.name == "USER_OUTPUT":
+    for spec, v in zip(sig.output_specs, out.args[0], strict=True):
+        kind = spec.kind.name
+        if kind == "USER_OUTPUT":
             keep.append(v)
             continue
-        if spec.kind.name not in ("USER_INPUT_MUTATION", "BUFFER_MUTATION"):
-            raise ExportError(f"program output of kind {spec.kind.name} is not supported")
-        target = phs[next(s.arg.name for s in sig.input_specs
-                          if (s.arg.name if spec.kind.name == "USER_INPUT_MUTATION"
-                              else s.target) == spec.target)]
+        if kind not in ("USER_INPUT_MUTATION", "BUFFER_MUTATION"):
+            raise ExportError(f"program output of kind {kind} is not supported")
+        target = phs[spec.target if kind == "USER_INPUT_MUTATION" else by_target[spec.target]]
         later = [u for u in target.users if u is not v and order[u] > order.get(v, -1)]
         if (isinstance(v, torch.fx.Node) and v.target is aten.index_copy.default
                 and v.args[0] is target and not later):
@@ -295,16 +295,36 @@ def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
             with g.inserting_before(out):
                 g.call_function(aten.copy_.default, (target, v))
     out.args = (tuple(keep),)
-    for n in g.find_nodes(op="call_function", target=torch.ops.fxpass.region.default):
-        # bound directly: the dispatcher's custom-op path (autograd wrapper, alias checks)
-        # cost ~40 us per call, a tenth of a small decode step's time outside its region
+    for i, spec in enumerate(s for s in sig.input_specs if s.kind.name != "USER_INPUT"):
+        t = ep.state_dict[spec.target] if spec.target in ep.state_dict else (
+            ep.constants[spec.target])
+        name = f"_lifted_{i}"
+        gm.register_buffer(name, t)
+        ph = phs[spec.arg.name]
+        with g.inserting_before(ph):
+            ga = g.get_attr(name)
+        ph.replace_all_uses_with(ga)
+        g.erase_node(ph)
+    gm.recompile()
+    return gm
+
+
+def bind(gm: GraphModule) -> GraphModule:
+    """``gm`` with each region call bound to its executor directly: the dispatcher's custom-op
+    path (autograd wrapper, alias checks) cost ~40 us per call, a tenth of a small decode
+    step's time outside its region."""
+    for n in gm.graph.find_nodes(op="call_function", target=torch.ops.fxpass.region.default):
         n.target, n.args = _direct(n.args[0]), tuple(n.args[1])
     gm.recompile()
-    consts = [ep.state_dict[s.target] if s.target in ep.state_dict else ep.constants[s.target]
-              for s in lifted]
+    return gm
+
+
+def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
+    """A callable over ``ep``'s flat user inputs (``runtime_graph``, regions bound)."""
+    gm = bind(runtime_graph(ep))
 
     def run(*flat: Any) -> list[Any]:
-        return list(gm(*consts, *flat))
+        return list(gm(*flat))
 
     return run
 

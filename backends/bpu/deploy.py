@@ -37,7 +37,14 @@ def export_main(args: argparse.Namespace) -> int:
     if args.min_compute_macs is not None:
         options["min_compute_macs"] = args.min_compute_macs
     try:
-        program = export(model, margs, kwargs, options=options, progress=say)
+        if args.generate:
+            from fxpass.backends.bpu.aot import export_for_generate
+
+            program = export_for_generate(
+                model, max_cache_len=args.max_cache_len, prefill_length=args.prefill_length,
+                batch_size=args.batch_size, options=options, progress=say)
+        else:
+            program = export(model, margs, kwargs, options=options, progress=say)
     except ExportError as e:
         print(f"fxpass export: {e}", file=sys.stderr)
         return 2
@@ -46,9 +53,51 @@ def export_main(args: argparse.Namespace) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) if isinstance(
         model, torch.nn.Module) else 0
     say("done")
-    print(program.report.summary())
+    for low in ([program.prefill, program.decode] if args.generate else [program.lowered]):
+        print(low.report.summary())
     ratio = f" ({size / weights:.3f}x the weights)" if weights else ""
-    print(f"package {path}: {size / 1e6:.1f} MB{ratio}, {len(program.regions)} region(s)")
+    print(f"package {path}: {size / 1e6:.1f} MB{ratio}")
+    return 0
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    from fxpass.backends.bpu.package import PackageError, load
+
+    t0 = time.perf_counter()
+    try:
+        runner = load(args.package)
+    except PackageError as e:
+        print(f"fxpass generate: {e}", file=sys.stderr)
+        return 2
+    if not hasattr(runner, "generate"):
+        print(f"fxpass generate: {args.package} is not a generation package (export it with "
+              "fxpass export MODEL OUT --generate)", file=sys.stderr)
+        return 2
+    loaded = time.perf_counter() - t0
+    try:
+        ids = torch.tensor([[int(x) for x in args.prompt_ids.split(",")]])
+    except ValueError:
+        print(f"fxpass generate: --prompt-ids must be comma-separated integers, got "
+              f"{args.prompt_ids!r}", file=sys.stderr)
+        return 2
+    try:
+        runner.generate(ids, max_new_tokens=1)  # the sessions' first runs allocate
+        t1 = time.perf_counter()
+        first = runner.generate(ids, max_new_tokens=1)
+        t2 = time.perf_counter()
+        out = runner.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed)
+        t3 = time.perf_counter()
+    except ValueError as e:
+        print(f"fxpass generate: {e}", file=sys.stderr)
+        return 2
+    new = out.shape[1] - ids.shape[1]
+    print(",".join(str(t) for t in out[0, ids.shape[1]:].tolist()))
+    per = ((t3 - t2) - (t2 - t1)) / max(new - 1, 1) * 1e3
+    print(f"load {loaded:.2f} s, first token (warm) {(t2 - t1) * 1e3:.1f} ms (prefill of "
+          f"{ids.shape[1]} tokens), {new} tokens, decode {per:.2f} ms/token", file=sys.stderr)
+    del first
     return 0
 
 

@@ -146,10 +146,15 @@ def _versions() -> dict[str, str]:
 
 def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
                    say: Callable[[str], None]) -> dict[str, Any]:
+    from fxpass.backends.bpu import plan
+    from fxpass.backends.bpu.aot import runtime_graph
     from fxpass.backends.bpu.lowering.driver import point_external
 
     say(f"writing {name}.pt2")
     torch.export.save(low.program, tmp / f"{name}.pt2")
+    graph, consts = plan.encode(runtime_graph(low.program), [], {})
+    (tmp / f"{name}.graph.json").write_bytes(graph)
+    (tmp / f"{name}.consts.pt").write_bytes(consts)
     weights = []
     for wname, t in low.weights.items():
         offset, nbytes = wf.add(_tensor_bytes(t), str(t.dtype))
@@ -174,6 +179,8 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
         })
     return {
         "file": f"{name}.pt2",
+        "graph": f"{name}.graph.json",
+        "consts": f"{name}.consts.pt",
         "in_spec": pytree.treespec_dumps(low.in_spec),
         "out_spec": pytree.treespec_dumps(low.out_spec),
         "inputs": [_spec(x) for x in low.inputs],
@@ -309,7 +316,7 @@ class LoadedProgram:
 
     def __init__(self, root: Path, name: str, spec: dict[str, Any], weights: np.memmap,
                  state: dict[str, torch.Tensor]):
-        from fxpass.backends.bpu.aot import inplace, threads
+        from fxpass.backends.bpu.aot import bind, threads
 
         self.path, self.name, self.spec = root, name, spec
         self.weights = [
@@ -323,11 +330,16 @@ class LoadedProgram:
         self.out_spec = pytree.treespec_loads(spec["out_spec"])
         self._inputs = [(tuple(i["shape"]), _DTYPES[i["dtype"]]) if "shape" in i else None
                         for i in spec["inputs"]]
-        ep = torch.export.load(root / spec["file"])
-        self._run = threads(inplace(ep), spec.get("cpu_threads"))
+        from fxpass.backends.bpu import plan
+
+        # the program's runtime graph (aot.runtime_graph), not torch.export.load: that one
+        # imports Dynamo, 1.3 s of a fresh process; the .pt2 is the portable copy
+        gm = bind(plan.decode(json.loads((root / spec["graph"]).read_bytes()),
+                              (root / spec["consts"]).read_bytes(), {}))
+        self._run = threads(gm, spec.get("cpu_threads"))
         self._prefix = (*self.weights, *self.state)
 
-    def flat(self, *inputs: Any) -> list[Any]:
+    def flat(self, *inputs: Any) -> tuple[Any, ...]:
         """Run on the flat user inputs, unchecked (the generate loop's per-token path)."""
         return self._run(*self._prefix, *inputs)
 
@@ -354,7 +366,7 @@ class LoadedProgram:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
         self.check(leaves)
-        return pytree.tree_unflatten(self.flat(*[v for _, v in leaves]), self.out_spec)
+        return pytree.tree_unflatten(list(self.flat(*[v for _, v in leaves])), self.out_spec)
 
 
 class Package:

@@ -74,6 +74,8 @@ def _demo_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--generate", action="store_true", help="greedy generate() with a static cache instead"
     )
+    d.add_argument("--export", action="store_true",
+                   help="export_for_generate, load in a fresh process, decode speed vs eager")
 
 
 def _explain_arguments(e: argparse.ArgumentParser) -> None:
@@ -106,6 +108,29 @@ def _export_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("out", help="the package directory to write")
     e.add_argument("--march", type=_march, default="nash-p")
     e.add_argument("--min-compute-macs", type=_at_least(0), default=None)
+    e.add_argument("--generate", action="store_true",
+                   help="a decoder-only LM for generation: prefill and decode programs over a "
+                   "static KV cache (export_for_generate)")
+    e.add_argument("--max-cache-len", type=_at_least(2), default=256)
+    e.add_argument("--prefill-length", type=_at_least(1), default=32)
+    e.add_argument("--batch-size", type=_at_least(1), default=1)
+
+
+def _generate_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("package", help="a directory written by fxpass export --generate")
+    g.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    g.add_argument("--max-new-tokens", type=_at_least(1), default=32)
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=_at_least(1), default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from fxpass.backends.bpu.deploy import generate_main
+
+    return generate_main(args)
 
 
 def _run_arguments(r: argparse.ArgumentParser) -> None:
@@ -137,4 +162,6 @@ def fxpass_commands() -> list[Command]:
                 _export_arguments, _run_export),
         Command("run", "load an exported package and call it (no compile)", _run_arguments,
                 _run_run),
+        Command("generate", "generate tokens from a package made with export --generate",
+                _generate_arguments, _run_generate),
     ]

@@ -128,3 +128,20 @@ def test_fresh_process_generates_hf_tokens_without_compiling(decoder, tmp_path):
     assert not {k: v for k, v in got["stats"].items()
                 if k in ("rules", "partition", "region_compiles")}
     assert "frames" not in got["dynamo"] and "stats" not in got["dynamo"], got["dynamo"]
+
+
+def test_cli_export_generate_then_generate(tmp_path, capsys):
+    from fxpass.cli import main
+
+    out = tmp_path / "pkg"
+    assert main(["export", "qwen3-tiny", str(out), "--generate", "--max-cache-len", "32",
+                 "--prefill-length", "8", "--min-compute-macs", "0"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "4"]) == 0
+    res = capsys.readouterr()
+    toks = [int(t) for t in res.out.strip().splitlines()[-1].split(",")]
+    model, _ = zoo.get("qwen3-tiny")
+    assert toks == _hf(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
+    assert "decode" in res.err and "ms/token" in res.err
+    assert main(["generate", str(out), "--prompt-ids", "5,6", "--max-new-tokens", "40"]) == 2
+    assert "past the cache of 32" in capsys.readouterr().err

@@ -1,0 +1,246 @@
+"""Deployed generation: ``export_for_generate`` -> package -> ``load(path).generate()``, side by
+side with eager HF, the JIT fxpass path and ONNX Runtime GenAI on the same weights.
+
+``python -m benchmarks.deploy [--quick] [--models qwen3-4x512,llama-4x512] [--repeats 5]``
+
+Per model (random weights, 32,000 words, greedy, fp32, a 32-token prompt):
+
+- ``eager-static``: HF ``generate(cache_implementation="static")``, the token reference;
+- ``fxpass-jit``: ``compile_for_generate`` (``torch.compile`` with ``backend="fxpass_bpu"``);
+- ``fxpass-package``: the package loaded in this process (``Runner.generate``, prefill in
+  32-token chunks);
+- ``genai``: ``onnxruntime-genai`` (builder fp32 cpu + ``Generator``).
+
+Decode ms/token = (t(1 + N) - t(1)) / N from medians of round-robin samples
+(``harness.interleave``), N = 32 and 128. Also: tokens equal to eager-static at both N; the
+package's time per decode step outside its device region (the step's wall time minus the
+region executor's, over 128 steps, median of 5); ``load()`` to the first generated token in a
+fresh process (median of 3; the Python and torch import before ``load`` reported apart);
+the package's size against the fp32 weights; and, for a stock BERT and a ResNet, export ->
+save -> load in this process against eager (max abs difference, forward time ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+from benchmarks.generate import GenAI, _compile_for, _hf_generate
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, CHUNK = 32, 32
+MODELS = {
+    "qwen3-4x512": ("qwen3", dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000)),
+    "llama-4x512": ("llama", dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000)),
+}
+
+
+def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    from fxpass.backends.bpu import zoo
+
+    family, kw = MODELS[name]
+    model, inputs = zoo.get(family, tokens=PROMPT, **kw)
+    return model, inputs["input_ids"]
+
+
+def _outside_region(runner: Any, ids: torch.Tensor, steps: int, rounds: int = 5) -> dict:
+    """Per decode step: wall time, the decode region executor's time, and the rest."""
+    region = runner.package.regions[-1]  # the decode program's region (opened last)
+    inner = region.executor
+    spent = [0.0]
+
+    class Timed:
+        input_names = inner.input_names
+
+        def __call__(self, *a: Any) -> Any:
+            t = time.perf_counter()
+            out = inner(*a)
+            spent[0] += time.perf_counter() - t
+            return out
+
+    region.executor = Timed()
+    try:
+        rows = []
+        for _ in range(rounds):
+            got = {}
+            for n in (1, steps + 1):
+                spent[0] = 0.0
+                t0 = time.perf_counter()
+                runner.generate(ids, max_new_tokens=n)
+                got[n] = (time.perf_counter() - t0, spent[0])
+            wall = (got[steps + 1][0] - got[1][0]) / steps
+            dev = (got[steps + 1][1] - got[1][1]) / steps
+            rows.append((wall, dev))
+    finally:
+        region.executor = inner
+    wall = statistics.median(r[0] for r in rows)
+    dev = statistics.median(r[1] for r in rows)
+    return {"step_ms": wall * 1e3, "region_ms": dev * 1e3, "outside_ms": (wall - dev) * 1e3}
+
+
+_CHILD = """
+import sys, time
+t0 = time.perf_counter()
+import torch
+from fxpass.backends.bpu import load
+t1 = time.perf_counter()
+r = load(sys.argv[1])
+ids = torch.load(sys.argv[2])
+r.generate(ids, max_new_tokens=1)
+t2 = time.perf_counter()
+print(f"{t1 - t0} {t2 - t1}")
+"""
+
+
+def _fresh_first_token(path: str, ids: torch.Tensor, rounds: int = 3) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "ids.pt"
+        torch.save(ids, f)
+        imports, firsts = [], []
+        for _ in range(rounds):
+            r = subprocess.run([sys.executable, "-c", _CHILD, path, str(f)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(r.stderr[-2000:])
+            a, b = map(float, r.stdout.split()[-2:])
+            imports.append(a)
+            firsts.append(b)
+    return {"import_s": statistics.median(imports), "load_to_first_token_s":
+            statistics.median(firsts)}
+
+
+def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path) -> dict:
+    from fxpass.backends.bpu import export_for_generate, load
+
+    model, ids = _build(name)
+    max_len = PROMPT + max(new_tokens) + 1
+    t0 = time.perf_counter()
+    program = export_for_generate(model, max_cache_len=max_len, prefill_length=CHUNK)
+    export_s = time.perf_counter() - t0
+    path = program.save(str(tmp / name))
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    runner = load(path)
+    jit_model, _ = _build(name)
+    _compile_for(jit_model, "fxpass_bpu", max_len)
+    runners = {
+        "eager-static": _hf_generate(model, ids, cache_implementation="static"),
+        "fxpass-jit": _hf_generate(jit_model, ids),
+        "fxpass-package": lambda n: runner.generate(ids, max_new_tokens=n),
+        "genai": GenAI(model, ids, max_len),
+    }
+    ref = {n: runners["eager-static"](n) for n in new_tokens}
+    match = {c: {n: bool(torch.equal(f(n), ref[n])) for n in new_tokens}
+             for c, f in runners.items()}
+    times: dict[int, dict[str, float]] = {}
+    for length in (1, *(n + 1 for n in new_tokens)):
+        stats = harness.interleave(
+            {c: (lambda f=f, length=length: f(length)) for c, f in runners.items()},
+            warmup=1, repeats=repeats, budget_s=30.0, min_repeats=3, settle_s=0.1)
+        times[length] = {c: s.median for c, s in stats.items()}
+    decode = {c: {n: (times[n + 1][c] - times[1][c]) / n * 1e3 for n in new_tokens}
+              for c in runners}
+    return {
+        "model": name, "new_tokens": list(new_tokens), "export_s": export_s,
+        "package_mb": size / 1e6, "size_vs_weights": size / weights,
+        "regions": [len(program.prefill.report.regions), len(program.decode.report.regions)],
+        "tokens_match": match, "decode_ms_per_token": decode,
+        "prefill_ms": {c: times[1][c] * 1e3 for c in runners},
+        "package_step": _outside_region(runner, ids, max(new_tokens)),
+        "fresh": _fresh_first_token(path, ids),
+    }
+
+
+def encoders(tmp: Path, repeats: int) -> list[dict]:
+    """BERT and a ResNet: export, save, load, against eager."""
+    import transformers
+
+    from fxpass.backends.bpu import export, load, zoo
+
+    cases = []
+    bert, kw = zoo.get("bert", layers=4, hidden=256, heads=4, tokens=128)
+    cases.append(("bert-4x256", bert, (), kw))
+    cfg = transformers.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
+                                    depths=[2, 2, 2, 2], layer_type="basic")
+    torch.manual_seed(0)
+    resnet = transformers.ResNetModel(cfg).eval()
+    cases.append(("resnet-18ish", resnet, (torch.randn(1, 3, 224, 224),), {}))
+    rows = []
+    for name, model, args, kwargs in cases:
+        loaded = load(export(model, args, kwargs).save(str(tmp / name)))
+        with torch.no_grad():
+            ref = model(*args, **kwargs)[0]
+            got = loaded(*args, **kwargs)[0]
+            stats = harness.interleave(
+                {"eager": lambda m=model, a=args, k=kwargs: m(*a, **k),
+                 "package": lambda m=loaded, a=args, k=kwargs: m(*a, **k)},
+                                       repeats=repeats, budget_s=10.0)
+        rows.append({"model": name, "max_abs_diff": float((got - ref).abs().max()),
+                     "eager_ms": stats["eager"].median * 1e3,
+                     "package_ms": stats["package"].median * 1e3})
+    return rows
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    rows = []
+    for r in data["runs"]:
+        for n in r["new_tokens"]:
+            g = r["decode_ms_per_token"]["genai"][n]
+            e = r["decode_ms_per_token"]["eager-static"][n]
+            for c, per in r["decode_ms_per_token"].items():
+                rows.append({"model": r["model"], "new tokens": n, "contender": c,
+                             "decode ms/token": f"{per[n]:.2f}", "vs genai": f"{per[n] / g:.2f}x",
+                             "vs eager": f"{per[n] / e:.2f}x",
+                             "tokens = eager": r["tokens_match"][c][n]})
+    out = [harness.markdown_table(rows, ["model", "new tokens", "contender", "decode ms/token",
+                                         "vs genai", "vs eager", "tokens = eager"])]
+    pkg = [{"model": r["model"], "step ms": f"{r['package_step']['step_ms']:.2f}",
+            "region ms": f"{r['package_step']['region_ms']:.2f}",
+            "outside ms": f"{r['package_step']['outside_ms']:.2f}",
+            "load -> 1st token s": f"{r['fresh']['load_to_first_token_s']:.2f}",
+            "imports s": f"{r['fresh']['import_s']:.2f}",
+            "size vs weights": f"{r['size_vs_weights']:.4f}x",
+            "regions (prefill, decode)": r["regions"], "export s": f"{r['export_s']:.1f}"}
+           for r in data["runs"]]
+    out.append(harness.markdown_table(pkg, list(pkg[0]) if pkg else []))
+    if data.get("encoders"):
+        enc = [{"model": e["model"], "max |package - eager|": f"{e['max_abs_diff']:.2e}",
+                "eager ms": f"{e['eager_ms']:.2f}", "package ms": f"{e['package_ms']:.2f}",
+                "vs eager": f"{e['package_ms'] / e['eager_ms']:.2f}x"} for e in data["encoders"]]
+        out.append(harness.markdown_table(enc, list(enc[0])))
+    return "\n\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="qwen3-4x512 only, 32 new tokens")
+    ap.add_argument("--models", default=None, help=f"comma-separated subset of {list(MODELS)}")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    names = args.models.split(",") if args.models else (
+        ["qwen3-4x512"] if args.quick else list(MODELS))
+    new_tokens = (32,) if args.quick else (32, 128)
+    data: dict[str, Any] = {"env": harness.environment(), "runs": []}
+    stem = "deploy-quick" if args.quick else "deploy"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            print(f"[deploy] {name} ...", file=sys.stderr, flush=True)
+            data["runs"].append(run_model(name, new_tokens, args.repeats, Path(tmp)))
+        if not args.quick:
+            print("[deploy] encoders ...", file=sys.stderr, flush=True)
+            data["encoders"] = encoders(Path(tmp), args.repeats)
+    harness.write_results(args.out, stem, data, to_markdown(data))
+
+
+if __name__ == "__main__":
+    main()
