@@ -1,6 +1,6 @@
 """Run every benchmark and write ``benchmarks/results/latest.{json,md}`` and ``ratios.png``.
 
-The markdown starts with the performance bars of DESIGN section 6, each next to the number
+The markdown starts with the project's performance bars, each next to the number
 measured in this run and a met/missed verdict computed from it (never typed in by hand).
 
     python -m benchmarks.run [--quick] [--out benchmarks/results]
@@ -164,7 +164,7 @@ def to_markdown(data: dict[str, Any]) -> str:
         [
             f"## Benchmark results ({data['mode']} run)",
             f"Environment: {env_line(m['env'])}.",
-            "### DESIGN section 6 bars",
+            "### The performance bars",
             harness.markdown_table(bars, ["bar", "measured", "verdict"]),
             "## Models",
             models.to_markdown(m),

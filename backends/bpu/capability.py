@@ -1,6 +1,6 @@
 """Which nodes the BPU can take, per march, and why not when it cannot.
 
-Source: ``../shared/bpu/FACTS.md`` (the original pull request's whitelist, verified on an RDK
+Source: ``docs/bpu-facts.md`` (the original pull request's whitelist, verified on an RDK
 S600 with ``convert(advice=True)``, plus our reading of the public OpenExplorer constraint
 tables). It is *data*: a march is a set of operator families and dtypes plus global limits,
 so a correction never touches the partitioner. Which op belongs to which family, how it is

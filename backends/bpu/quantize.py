@@ -1,7 +1,7 @@
 """Calibrated Q/DQ quantization of one region's ONNX model, with onnxruntime's own tooling.
 
 Why: the BPU's tensor engine (conv / matmul / linear) takes int8/int16 inputs only; a float
-MAC op handed to hbdk4's ``convert()`` is placed on the board's CPU (``../shared/bpu/FACTS.md``,
+MAC op handed to hbdk4's ``convert()`` is placed on the board's CPU (``docs/bpu-facts.md``,
 "Data types"). So a region bound for the board needs QuantizeLinear/DequantizeLinear pairs on
 the inputs of its MAC ops, with scales calibrated on real data. On the host, onnxruntime fuses
 the same QDQ pattern into integer kernels (int8), which is how we measure accuracy and speed.

@@ -1,6 +1,6 @@
 """Contract fake of hbdk4 (compiler) and hbm_runtime (board runtime), the one sanctioned fake.
 
-It checks every call against the documented API (../shared/bpu/FACTS.md) and records it:
+It checks every call against the documented API (docs/bpu-facts.md) and records it:
 ``onnx.export`` takes a loaded ModelProto with shapes recorded on every value;
 ``convert(module, march)`` takes export's module and a known march, and places each op as the
 real one does: a tensor-engine op (Conv/ConvTranspose/MatMul/Gemm) whose data inputs are not

@@ -1,7 +1,7 @@
 """The one table of what a region can hold, and the one function that says why a node cannot.
 
 ``OPS`` maps each aten overload to an :class:`Op`: its ONNX emitter, the BPU operator family it
-belongs to (from ``/shared/bpu/FACTS.md``; a march enables families), its argument check, which
+belongs to (from ``docs/bpu-facts.md``; a march enables families), its argument check, which
 tuple elements ONNX computes, and whether the BPU's reduce-axis limit applies. Adding an op is
 one entry here. The partitioner (through :class:`fxpass.backends.bpu.capability.Capability`)
 and the lowering (through :func:`can_lower`) both ask :class:`Reasons`, so a node the
