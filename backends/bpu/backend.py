@@ -119,6 +119,11 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "fxpass.backends.bpu.calibrate(fn, batches) (default None on the host; the board "
         "always quantizes)",
     ),
+    "max_shape_variants": (
+        int,
+        "static variants one symbolic graph keeps, one per input signature (default 8; least "
+        "recently used evicted with its sessions; a new shape past it still compiles)",
+    ),
     "max_variants": (
         int,
         f"sets of weights one graph is compiled for and keeps (default {MAX_VARIANTS}): "
@@ -172,6 +177,11 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
             )
     if opts.get("min_compute_macs") is not None and opts["min_compute_macs"] < 0:
         raise TypeError("fxpass_bpu option 'min_compute_macs' must be >= 0")
+    from fxpass.backends.bpu.shapes import MAX_SHAPE_VARIANTS
+
+    if opts.setdefault("max_shape_variants", MAX_SHAPE_VARIANTS) < 1:
+        raise TypeError("fxpass_bpu option 'max_shape_variants' must be >= 1, got "
+                        f"{opts['max_shape_variants']}")
     if opts.setdefault("max_variants", MAX_VARIANTS) < 1:
         raise TypeError(
             f"fxpass_bpu option 'max_variants' must be >= 1, got {opts['max_variants']}"
@@ -261,6 +271,11 @@ def fxpass_bpu(
         _preload_onnxruntime()
 
     def fw(aot_gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
+        from fxpass.backends.bpu.shapes import ShapeVariants, specializable
+
+        keyed = specializable(aot_gm)
+        if keyed is not None:  # symbolic sizes: one static variant per input signature
+            return ShapeVariants(aot_gm, keyed, opts, lambda gm: GuardedGraph(gm, opts))
         return GuardedGraph(aot_gm, opts)
 
     return aot_backend(fw, freeze=opts["freeze_weights"])(gm, example_inputs)

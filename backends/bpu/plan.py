@@ -49,7 +49,8 @@ PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value f
 #: f32 copy of the embedding table (125 MiB for a 32000 x 1024 vocabulary), which a 64 MiB
 #: bound refused; reading it back is far cheaper than re-running the rules.
 MAX_CONSTANT_BYTES = 512 * 1024**2
-_NOT_KEYED_OPTIONS = ("cache_dir", "tiered", "max_variants", "cpu_threads")  # no result
+_NOT_KEYED_OPTIONS = ("cache_dir", "tiered", "max_variants", "max_shape_variants",
+                      "cpu_threads")  # no result
 #: environment variables that change what the rules make of a graph
 _KEYED_ENV = ("FXPASS_REWRITE_LIMIT", "FXPASS_FOLD_MAX_GROWTH", "FXPASS_FOLD_MIN_BYTES")
 

@@ -138,7 +138,11 @@ def test_generate_with_compiled_forward_matches_eager(opts):
     assert len(reports) >= 1 and all(len(r.regions) >= 1 for r in reports)
 
 
-def test_dynamic_shapes_fall_back_with_a_message(opts):
+def test_dynamic_shapes_are_specialized_without_a_warning(opts):
+    """dynamic=True used to put the whole graph on the CPU with a warning asking for
+    dynamic=False; now each input signature gets a static variant (backends/bpu/shapes.py)."""
+    import fxpass
+
     m = SideBranch().eval()
     with torch.no_grad(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -146,7 +150,8 @@ def test_dynamic_shapes_fall_back_with_a_message(opts):
         for n in (3, 5):
             x = torch.randn(n, 16)
             torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
-    assert any("dynamic=False" in str(x.message) for x in w)
+    assert not [x for x in w if "fxpass" in str(x.message)]
+    assert "shape variant 2" in str(fxpass.compile_reports()[-1])
 
 
 def test_training_graph_stays_eager_with_correct_gradients(opts):

@@ -135,7 +135,8 @@ def _compile(m, x=XS, **options):
 def test_warm_compile_loads_the_plan_and_runs_no_rule(tmp_path):
     m = _mlp()
     err, r, d = _compile(m, cache_dir=str(tmp_path))
-    assert err < 1e-5 and d == {"plan_miss": 1, "rules": 1, "partition": 1, "plan_stored": 1}
+    assert err < 1e-5 and d == {"plan_miss": 1, "rules": 1, "partition": 1, "plan_stored": 1,
+                               "region_compiles": 1}
     err, r2, d = _compile(m, cache_dir=str(tmp_path))
     assert err < 1e-5
     assert d == {"plan_hit": 1}, d  # no rules, no partition: the ledger says so

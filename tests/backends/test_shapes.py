@@ -1,0 +1,131 @@
+"""Symbolic graphs: Dynamo compiles once, fxpass specializes per input signature, bounded.
+
+Tolerances: float32 against eager at rtol = atol = 1e-4 (onnxruntime's kernels reassociate)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fxpass.backends.bpu import shapes, zoo
+from fxpass.backends.bpu.backend import STATS
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _bert_inputs(length, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, length // 2:] = 0  # a padded row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _graphs():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def fresh():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_many_lengths_one_dynamo_trace_no_warnings(fresh, opts):
+    model, _ = zoo.get("bert")
+    c = torch.compile(model, backend="fxpass_bpu", options=opts)
+    before, made = _graphs(), STATS["shape_variants"]
+    lengths = [8, 12, 16, 20, 24, 28, 9, 33, 8, 12]
+    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n in lengths:
+            kw = _bert_inputs(n, seed=n)
+            torch.testing.assert_close(c(**kw).last_hidden_state,
+                                       model(**kw).last_hidden_state, **TOL)
+    assert not [x for x in w if "fxpass" in str(x.message) or "recompile" in str(x.message)]
+    assert _graphs() - before == 2  # the first shape static, then one symbolic graph
+    # every distinct shape once (the first may be Dynamo's static graph instead), never again
+    assert len(set(lengths)) - 1 <= STATS["shape_variants"] - made <= len(set(lengths))
+
+
+def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
+    model, _ = zoo.get("bert")
+    c = torch.compile(model, backend="fxpass_bpu", dynamic=True,
+                      options={**opts, "max_shape_variants": 2})
+    evicted = STATS["shape_evictions"]
+    with torch.no_grad():
+        kw = _bert_inputs(8)
+        c(**kw)
+        (sv,) = [s for s in shapes.INSTANCES if s.opts.get("max_shape_variants") == 2]
+        first = weakref.ref(next(iter(sv.variants.values())))
+        for n in (10, 12, 14, 8):
+            kw = _bert_inputs(n, seed=n)
+            torch.testing.assert_close(c(**kw).last_hidden_state,
+                                       model(**kw).last_hidden_state, **TOL)
+    assert len(sv.variants) == 2
+    assert STATS["shape_evictions"] - evicted == 3 == sv.evictions
+    gc.collect()
+    assert first() is None  # the evicted variant, its sessions and memory are gone
+    report = sv.variants[next(reversed(sv.variants))].report
+    assert any("shape variant 5" in n and "3 evicted" in n for n in report.notes), report.notes
+
+
+def test_dynamic_true_from_the_first_call(fresh, opts):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) + x
+
+    m = M().eval()
+    c = torch.compile(m, backend="fxpass_bpu", dynamic=True, options=opts)
+    made = STATS["shape_variants"]
+    with torch.no_grad():
+        for n in (3, 5, 3, 7):
+            x = torch.randn(n, 32)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    assert STATS["shape_variants"] - made == 3
+
+
+@settings(max_examples=8, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 16)), min_size=2, max_size=4))
+def test_property_random_shapes_match_eager(opts, shapes_drawn):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16),
+                            torch.nn.LayerNorm(16)).eval()
+    c = torch.compile(m, backend="fxpass_bpu", options={**opts, "max_shape_variants": 3})
+    with torch.no_grad():
+        for b, s in shapes_drawn:
+            x = torch.randn(b, s, 16)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+
+
+def test_bad_max_shape_variants_is_refused():
+    with pytest.raises(Exception, match="max_shape_variants. must be >= 1"):
+        torch.compile(torch.nn.Linear(2, 2), backend="fxpass_bpu",
+                      options={"max_shape_variants": 0})(torch.ones(2))
+
+
+def test_a_symbolic_counter_that_is_no_size_keeps_the_static_path():
+    """compile_for_generate makes cache counters symbolic on purpose: specializing on them
+    would compile a variant per token."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, n: x * n, tracing_mode="symbolic")(torch.ones(3), 2)
+    assert isinstance(gm.graph.find_nodes(op="placeholder")[1].meta["val"], torch.SymInt)
+    assert shapes.specializable(gm) is None
+    gm2 = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.ones(3))
+    assert shapes.specializable(gm2) == [0]
