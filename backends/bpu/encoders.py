@@ -1,0 +1,154 @@
+"""``compile_for_encoder(model, buckets=...)``: an HF encoder served at any length through a
+handful of static variants, padding each call up to its bucket.
+
+Why: a static-shape device compiles one program per input shape. Served lengths vary (every
+sentence is its own), so even with bounded variants (``shapes.py``) a busy encoder would
+compile and evict without end. Padding each call up to the next of a few bucket lengths
+keeps the variants to the buckets.
+
+Padding must not change a value, so it is offered where it provably does not, for HF
+encoders (BERT, RoBERTa, DistilBERT, and models of their shape):
+
+- ``input_ids`` are padded with the model's pad token, ``attention_mask`` with 0 (created as
+  all ones first when the caller gave none), ``token_type_ids`` with 0. A real token never
+  attends to a padded one (its key is masked: HF adds the dtype's minimum to its score, whose
+  softmax weight is exactly 0), and position ids are those of the real tokens (absolute, from
+  0; RoBERTa's are computed from non-pad tokens).
+- ``batch`` buckets add rows of pad tokens with an all-zero mask; rows never mix.
+- Outputs are sliced back: every tensor whose sequence (or batch) dimension is the padded
+  size, attentions in both their last two dimensions.
+
+A length (or batch) past the largest bucket is compiled at its exact size, with one warning.
+The compiled forward uses ``dynamic=True``: one Dynamo graph, a static variant per bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import inspect
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+DIMS = {"seq": 1, "batch": 0}
+_PADDED = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def check_buckets(buckets: dict[str, Sequence[int]]) -> dict[str, list[int]]:
+    """``{"seq": [...], "batch": [...]}`` validated: known dimensions, positive and strictly
+    increasing sizes; else a ValueError naming the entry and the fix."""
+    if not isinstance(buckets, dict) or not buckets:
+        raise ValueError(f"buckets must be a dict like {{'seq': [32, 64, 128]}}, got {buckets!r}")
+    out = {}
+    for dim, sizes in buckets.items():
+        if dim not in DIMS:
+            raise ValueError(
+                f"bucket dimension {dim!r} is not an input dimension of an HF encoder; use "
+                f"'seq' (tokens per row) or 'batch' (rows), e.g. {{'seq': [32, 64, 128]}}")
+        sizes = list(sizes) if isinstance(sizes, (list, tuple)) else sizes
+        if (not isinstance(sizes, list) or not sizes
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0
+                           for s in sizes)):
+            raise ValueError(f"buckets[{dim!r}] must be a non-empty list of positive ints, "
+                             f"got {sizes!r}")
+        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise ValueError(f"buckets[{dim!r}] = {sizes} is not increasing; list each size "
+                             f"once, smallest first, e.g. {sorted(set(sizes))}")
+        out[dim] = sizes
+    return out
+
+
+def _pick(sizes: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def _pad(t: torch.Tensor, dim: int, to: int, value: int) -> torch.Tensor:
+    if t.shape[dim] == to:
+        return t
+    shape = list(t.shape)
+    shape[dim] = to - t.shape[dim]
+    return torch.cat([t, t.new_full(shape, value)], dim)
+
+
+def _slice(x: Any, size: dict[int, tuple[int, int]]) -> Any:
+    """Every tensor in ``x`` cut back from padded to real size in the padded dimensions
+    (dim -> (padded, real)); for square trailing dims (attentions) both are cut."""
+    if isinstance(x, torch.Tensor):
+        for dim, (padded, real) in size.items():
+            if dim == 1 and x.dim() >= 4 and x.shape[-1] == padded and x.shape[-2] == padded:
+                x = x[..., :real, :real]  # attention probabilities (batch, heads, q, k)
+            elif x.shape[dim:dim + 1] == (padded,) and (dim == 0 or x.dim() >= 3):
+                # rows; or tokens of a (batch, tokens, ...) tensor: a pooled (batch, hidden)
+                # output whose hidden size happens to equal the bucket is not cut
+                x = x.narrow(dim, 0, real)
+        return x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_slice(v, size) for v in x)
+    if isinstance(x, list):
+        return [_slice(v, size) for v in x]
+    if hasattr(x, "keys") and hasattr(x, "__setitem__"):  # HF ModelOutput (an OrderedDict)
+        for k in list(x.keys()):
+            x[k] = _slice(x[k], size)
+        return x
+    return x
+
+
+def compile_for_encoder(
+    model: torch.nn.Module,
+    *,
+    buckets: dict[str, Sequence[int]],
+    options: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """Compile ``model.forward`` with ``backend="fxpass_bpu"`` behind bucket padding (module
+    doc); returns ``model`` (its ``forward`` replaced), which keeps its signature."""
+    spec = check_buckets(buckets)
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+    forward = model.forward
+    params = inspect.signature(forward).parameters
+    if "input_ids" not in params:
+        raise ValueError(f"{type(model).__name__}.forward takes no input_ids: bucket padding is "
+                         "for HF text encoders (BERT, RoBERTa, DistilBERT, ...)")
+    compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=True,
+                             options=dict(options or {}))
+    warned: set[str] = set()
+
+    @functools.wraps(forward)
+    def padded_forward(*args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+        kw = dict(bound.arguments)
+        ids = kw.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return compiled(*args, **kwargs)  # inputs_embeds or odd input: as compiled
+        if kw.get("attention_mask") is None:
+            kw["attention_mask"] = torch.ones_like(ids)
+        size = {}
+        for name, dim in DIMS.items():
+            if name not in spec:
+                continue
+            real = ids.shape[dim]
+            to = _pick(spec[name], real)
+            if to is None:
+                if name not in warned:
+                    warned.add(name)
+                    warnings.warn(
+                        f"fxpass_bpu: {name} {real} is past the largest bucket "
+                        f"({spec[name][-1]}); it gets its own exact-size variant (add a larger "
+                        f"bucket to buckets[{name!r}] to share one)", stacklevel=2)
+                continue
+            if to != real:
+                size[dim] = (to, real)
+                for key in _PADDED:
+                    t = kw.get(key)
+                    if isinstance(t, torch.Tensor):
+                        kw[key] = _pad(t, dim, to, pad_id if key == "input_ids" else 0)
+        for key in _PADDED:  # one layout per bucket: an expanded mask would be a new graph
+            if isinstance(kw.get(key), torch.Tensor):
+                kw[key] = kw[key].contiguous()
+        return _slice(compiled(**kw), size)
+
+    model.forward = padded_forward
+    return model

@@ -1,0 +1,105 @@
+"""compile_for_encoder: any length through a few bucket variants, values unchanged by padding.
+
+Tolerances: float32 against eager at rtol = atol = 1e-4."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fxpass.backends.bpu.backend import STATS
+from fxpass.backends.bpu.encoders import check_buckets, compile_for_encoder
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _encoder(name):
+    import transformers as tf
+
+    small = dict(vocab_size=300, max_position_embeddings=160)
+    torch.manual_seed(0)
+    if name == "bert":
+        cfg = tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, **small)
+        return tf.BertModel(cfg).eval()
+    if name == "roberta":
+        cfg = tf.RobertaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=128, pad_token_id=1, **small)
+        return tf.RobertaForMaskedLM(cfg).eval()
+    cfg = tf.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, **small)
+    return tf.DistilBertModel(cfg).eval()
+
+
+def _inputs(batch, length, seed, types=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 300, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1:
+        mask[-1, max(1, length // 2):] = 0  # a row padded by the caller too
+    kw = {"input_ids": ids, "attention_mask": mask}
+    if types:
+        kw["token_type_ids"] = (torch.arange(length) >= length // 2).long().expand(batch, -1)
+    return kw
+
+
+def _tensors(out):
+    return [v for v in out.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert"])
+def test_buckets_keep_eager_values_with_few_variants(name, opts):
+    torch._dynamo.reset()
+    eager = _encoder(name)
+    model = compile_for_encoder(_encoder(name), buckets={"seq": [16, 32, 64], "batch": [2, 4]},
+                                options=opts)
+    made = STATS["shape_variants"]
+    cases = [(1, 5), (2, 16), (3, 20), (2, 31), (4, 9), (1, 64), (2, 3)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no length here is past a bucket: no warning at all
+        for i, (b, n) in enumerate(cases):
+            kw = _inputs(b, n, seed=i, types=name == "bert")
+            ref, got = _tensors(eager(**kw)), _tensors(model(**kw))
+            assert [t.shape for t in got] == [t.shape for t in ref]
+            for e, a in zip(ref, got, strict=True):
+                torch.testing.assert_close(a, e, **TOL)
+    # (batch, seq) buckets the cases fall in: (2,16) (2,16) (4,32) (2,32) (4,16) (2,64) (2,16)
+    assert STATS["shape_variants"] - made == 5  # one per bucket pair used, never per length
+
+
+def test_a_length_past_the_largest_bucket_warns_once_and_is_exact(opts):
+    torch._dynamo.reset()
+    eager = _encoder("bert")
+    model = compile_for_encoder(_encoder("bert"), buckets={"seq": [8, 16]}, options=opts)
+    with torch.no_grad(), pytest.warns(UserWarning, match="past the largest bucket") as w:
+        for n in (20, 24):
+            kw = _inputs(2, n, seed=n)
+            torch.testing.assert_close(model(**kw).last_hidden_state,
+                                       eager(**kw).last_hidden_state, **TOL)
+    assert len([x for x in w if "past the largest bucket" in str(x.message)]) == 1
+
+
+def test_pooled_output_of_the_bucket_width_is_not_cut(opts):
+    """hidden size 64 == a bucket of 64: the (batch, hidden) pooler output stays whole."""
+    torch._dynamo.reset()
+    eager = _encoder("bert")
+    model = compile_for_encoder(_encoder("bert"), buckets={"seq": [64]}, options=opts)
+    kw = _inputs(2, 10, seed=3)
+    with torch.no_grad():
+        got, ref = model(**kw), eager(**kw)
+    assert got.pooler_output.shape == (2, 64)
+    torch.testing.assert_close(got.pooler_output, ref.pooler_output, **TOL)
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({"tokens": [8, 16]}, "'tokens' is not an input dimension.*use 'seq'"),
+    ({"seq": [32, 16]}, r"\[32, 16\] is not increasing.*\[16, 32\]"),
+    ({"seq": [8, 8]}, "is not increasing"),
+    ({"seq": []}, "non-empty list of positive ints"),
+    ({"seq": [0, 4]}, "non-empty list of positive ints"),
+    ([8, 16], "must be a dict"),
+])
+def test_bad_bucket_specs_are_refused(bad, why):
+    with pytest.raises(ValueError, match=why):
+        check_buckets(bad)
