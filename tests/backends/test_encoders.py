@@ -48,7 +48,8 @@ def _tensors(out):
     return [v for v in out.values() if isinstance(v, torch.Tensor)]
 
 
-@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("name", ["bert", pytest.param("roberta", marks=pytest.mark.slow),
+                                  pytest.param("distilbert", marks=pytest.mark.slow)])
 def test_buckets_keep_eager_values_with_few_variants(name, opts):
     torch._dynamo.reset()
     eager = _encoder(name)
@@ -68,6 +69,7 @@ def test_buckets_keep_eager_values_with_few_variants(name, opts):
     assert STATS["shape_variants"] - made == 5  # one per bucket pair used, never per length
 
 
+@pytest.mark.slow
 def test_a_length_past_the_largest_bucket_warns_once_and_is_exact(opts):
     torch._dynamo.reset()
     eager = _encoder("bert")
@@ -80,6 +82,7 @@ def test_a_length_past_the_largest_bucket_warns_once_and_is_exact(opts):
     assert len([x for x in w if "past the largest bucket" in str(x.message)]) == 1
 
 
+@pytest.mark.slow
 def test_pooled_output_of_the_bucket_width_is_not_cut(opts):
     """hidden size 64 == a bucket of 64: the (batch, hidden) pooler output stays whole."""
     torch._dynamo.reset()

@@ -14,7 +14,8 @@ from tests.backends.test_export import _fresh_process
 CACHE, CHUNK = 48, 8
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module",
+                params=["qwen3", pytest.param("llama", marks=pytest.mark.slow)])
 def decoder(request, tmp_path_factory):
     model, _ = zoo.get(request.param)
     # min_compute_macs=0: the tiny decode step (0.1 MMACs) still gets its region

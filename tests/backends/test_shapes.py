@@ -57,6 +57,7 @@ def test_many_lengths_one_dynamo_trace_no_warnings(fresh, opts):
     assert len(set(lengths)) - 1 <= STATS["shape_variants"] - made <= len(set(lengths))
 
 
+@pytest.mark.slow
 def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
     model, _ = zoo.get("bert")
     c = torch.compile(model, backend="fxpass_bpu", dynamic=True,
@@ -98,6 +99,7 @@ def test_dynamic_true_from_the_first_call(fresh, opts):
     assert STATS["shape_variants"] - made == 3
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 16)), min_size=2, max_size=4))

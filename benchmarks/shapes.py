@@ -1,0 +1,189 @@
+"""Variable input shapes: eager, inductor and fxpass_bpu (with and without buckets), side by
+side in one run.
+
+``python -m benchmarks.shapes [--quick] [--memory-lengths 200]``
+
+- ``bert``: a stock BERT (4 layers x 256, random weights), 16 sequence lengths from 8 to 128,
+  the batch size cycling through 1-4, a padded row in every batch of two or more;
+- ``convnet``: a stock transformers ResNet (four stages), 6 image sizes, batch 1-4.
+
+Per contender: the first pass over all inputs (compiles included) and the warm second pass
+(median of 3), Dynamo graphs, fxpass variants compiled, recompile warnings, and whether
+every output equals eager's (rtol = atol = 1e-4). ``fxpass-buckets`` is
+``compile_for_encoder(buckets={"seq": [32, 64, 96, 128], "batch": [4]})`` (BERT only).
+Memory: resident set size over ``--memory-lengths`` distinct lengths without buckets, sampled
+every 20 calls (the bounded variant cache keeps it flat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+LENGTHS = [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128]
+SIZES = [64, 96, 128, 160, 192, 224]
+
+
+def _bert() -> torch.nn.Module:
+    from fxpass.backends.bpu import zoo
+
+    return zoo.get("bert", layers=4, hidden=256, heads=4, tokens=8)[0]
+
+
+def _bert_inputs(i: int, n: int) -> dict[str, torch.Tensor]:
+    b = 1 + i % 4
+    g = torch.Generator().manual_seed(i)
+    ids = torch.randint(0, 500, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    if b > 1:
+        mask[-1, n // 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _convnet() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
+                                    depths=[1, 1, 1, 1], layer_type="basic")
+    torch.manual_seed(0)
+    return transformers.ResNetModel(cfg).eval()
+
+
+def _conv_inputs(i: int, s: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {"pixel_values": torch.randn(1 + i % 4, 3, s, s, generator=g)}
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _contender(name: str, make: Any, inputs: list[dict], refs: list[torch.Tensor]) -> dict:
+    from torch._dynamo.utils import counters
+
+    from fxpass.backends.bpu.backend import STATS
+
+    torch._dynamo.reset()
+    graphs0, variants0 = counters["stats"]["unique_graphs"], STATS["shape_variants"]
+    fn = make()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        outs = [_first(fn(**kw)) for kw in inputs]
+        first = time.perf_counter() - t0
+        warm = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for kw in inputs:
+                fn(**kw)
+            warm.append(time.perf_counter() - t0)
+    equal = all(torch.allclose(a, e, **TOL) for a, e in zip(outs, refs, strict=True))
+    return {
+        "contender": name, "first_pass_s": first, "warm_pass_s": statistics.median(warm),
+        "dynamo_graphs": counters["stats"]["unique_graphs"] - graphs0,
+        "fxpass_variants": STATS["shape_variants"] - variants0,
+        "recompile_warnings": sum("recompile" in str(x.message).lower() for x in w),
+        "equal_eager": equal,
+    }
+
+
+def run_case(case: str) -> dict:
+    from fxpass.backends.bpu.encoders import compile_for_encoder
+
+    if case == "bert":
+        base, inputs = _bert, [_bert_inputs(i, n) for i, n in enumerate(LENGTHS)]
+    else:
+        base, inputs = _convnet, [_conv_inputs(i, s) for i, s in enumerate(SIZES)]
+    eager = base()
+    with torch.no_grad():
+        refs = [_first(eager(**kw)) for kw in inputs]
+    makers = {
+        "eager": lambda: eager,
+        "inductor": lambda: torch.compile(base(), backend="inductor"),
+        "fxpass": lambda: torch.compile(base(), backend="fxpass_bpu"),
+    }
+    if case == "bert":
+        makers["fxpass-buckets"] = lambda: compile_for_encoder(
+            base(), buckets={"seq": [32, 64, 96, 128], "batch": [4]})
+    rows = []
+    for name, make in makers.items():
+        print(f"[shapes] {case} {name} ...", file=sys.stderr, flush=True)
+        rows.append(_contender(name, make, inputs, refs))
+    return {"case": case, "inputs": len(inputs), "rows": rows}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory(lengths: int) -> dict:
+    """RSS over ``lengths`` distinct lengths through plain fxpass_bpu (no buckets)."""
+    torch._dynamo.reset()
+    c = torch.compile(_bert(), backend="fxpass_bpu")
+    samples = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(lengths):
+            c(**_bert_inputs(0, 8 + i))  # batch 1, a new length every call
+            if i % 20 == 19:
+                gc.collect()
+                samples.append((i + 1, _rss_mb()))
+    return {"lengths": lengths, "rss_mb": samples}
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    parts = []
+    for c in data["cases"]:
+        ind = next(r for r in c["rows"] if r["contender"] == "inductor")
+        eag = next(r for r in c["rows"] if r["contender"] == "eager")
+        rows = [{
+            "case": c["case"], "contender": r["contender"],
+            "first pass s": f"{r['first_pass_s']:.1f}",
+            "first vs inductor": f"{r['first_pass_s'] / ind['first_pass_s']:.2f}x",
+            "warm pass ms": f"{r['warm_pass_s'] * 1e3:.0f}",
+            "warm vs eager": f"{r['warm_pass_s'] / eag['warm_pass_s']:.2f}x",
+            "Dynamo graphs": r["dynamo_graphs"], "fxpass variants": r["fxpass_variants"],
+            "recompile warnings": r["recompile_warnings"], "equal eager": r["equal_eager"],
+        } for r in c["rows"]]
+        parts.append(harness.markdown_table(rows, list(rows[0])))
+    if data.get("memory"):
+        m = data["memory"]
+        rows = [{"distinct lengths": n, "RSS MB": f"{mb:.0f}"} for n, mb in m["rss_mb"]]
+        parts.append(harness.markdown_table(rows, ["distinct lengths", "RSS MB"]))
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="bert only, no memory run")
+    ap.add_argument("--memory-lengths", type=int, default=200)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    data: dict[str, Any] = {"env": harness.environment(), "cases": []}
+    for case in (["bert"] if args.quick else ["bert", "convnet"]):
+        data["cases"].append(run_case(case))
+    if not args.quick and args.memory_lengths:
+        print("[shapes] memory ...", file=sys.stderr, flush=True)
+        data["memory"] = memory(args.memory_lengths)
+    harness.write_results(args.out, "shapes-quick" if args.quick else "shapes", data,
+                          to_markdown(data))
+
+
+if __name__ == "__main__":
+    main()
