@@ -61,6 +61,13 @@ def check_buckets(buckets: dict[str, Sequence[int]]) -> dict[str, list[int]]:
     return out
 
 
+def _pad_id(model: torch.nn.Module) -> int:
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__}.forward takes no input_ids: bucket padding is "
+                         "for HF text encoders (BERT, RoBERTa, DistilBERT, ...)")
+    return getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+
+
 def _pick(sizes: list[int], n: int) -> int | None:
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
@@ -97,6 +104,35 @@ def _slice(x: Any, size: dict[int, tuple[int, int]]) -> Any:
     return x
 
 
+def pad_inputs(
+    kw: dict[str, Any], spec: dict[str, list[int]], pad_id: int
+) -> tuple[dict[str, Any], dict[int, tuple[int, int]], dict[str, int]]:
+    """``kw`` (``input_ids`` and its masks) padded up to the buckets (module doc): the padded
+    inputs, dim -> (padded, real) for what was padded, and the sizes past every bucket."""
+    kw = dict(kw)
+    ids = kw["input_ids"]
+    if kw.get("attention_mask") is None:
+        kw["attention_mask"] = torch.ones_like(ids)
+    size, over = {}, {}
+    for name, dim in DIMS.items():
+        if name not in spec:
+            continue
+        real = ids.shape[dim]
+        to = _pick(spec[name], real)
+        if to is None:
+            over[name] = real
+        elif to != real:
+            size[dim] = (to, real)
+            for key in _PADDED:
+                t = kw.get(key)
+                if isinstance(t, torch.Tensor):
+                    kw[key] = _pad(t, dim, to, pad_id if key == "input_ids" else 0)
+    for key in _PADDED:  # one layout per bucket: an expanded mask would be a new graph
+        if isinstance(kw.get(key), torch.Tensor):
+            kw[key] = kw[key].contiguous()
+    return kw, size, over
+
+
 def compile_for_encoder(
     model: torch.nn.Module,
     *,
@@ -106,12 +142,8 @@ def compile_for_encoder(
     """Compile ``model.forward`` with ``backend="fxpass_bpu"`` behind bucket padding (module
     doc); returns ``model`` (its ``forward`` replaced), which keeps its signature."""
     spec = check_buckets(buckets)
-    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+    pad_id = _pad_id(model)
     forward = model.forward
-    params = inspect.signature(forward).parameters
-    if "input_ids" not in params:
-        raise ValueError(f"{type(model).__name__}.forward takes no input_ids: bucket padding is "
-                         "for HF text encoders (BERT, RoBERTa, DistilBERT, ...)")
     compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=True,
                              options=dict(options or {}))
     warned: set[str] = set()
@@ -120,35 +152,102 @@ def compile_for_encoder(
     def padded_forward(*args: Any, **kwargs: Any) -> Any:
         bound = inspect.signature(forward).bind_partial(*args, **kwargs)
         kw = dict(bound.arguments)
-        ids = kw.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        if not isinstance(kw.get("input_ids"), torch.Tensor) or kw["input_ids"].dim() != 2:
             return compiled(*args, **kwargs)  # inputs_embeds or odd input: as compiled
-        if kw.get("attention_mask") is None:
-            kw["attention_mask"] = torch.ones_like(ids)
-        size = {}
-        for name, dim in DIMS.items():
-            if name not in spec:
-                continue
-            real = ids.shape[dim]
-            to = _pick(spec[name], real)
-            if to is None:
-                if name not in warned:
-                    warned.add(name)
-                    warnings.warn(
-                        f"fxpass_bpu: {name} {real} is past the largest bucket "
-                        f"({spec[name][-1]}); it gets its own exact-size variant (add a larger "
-                        f"bucket to buckets[{name!r}] to share one)", stacklevel=2)
-                continue
-            if to != real:
-                size[dim] = (to, real)
-                for key in _PADDED:
-                    t = kw.get(key)
-                    if isinstance(t, torch.Tensor):
-                        kw[key] = _pad(t, dim, to, pad_id if key == "input_ids" else 0)
-        for key in _PADDED:  # one layout per bucket: an expanded mask would be a new graph
-            if isinstance(kw.get(key), torch.Tensor):
-                kw[key] = kw[key].contiguous()
+        kw, size, over = pad_inputs(kw, spec, pad_id)
+        for name, real in over.items():
+            if name not in warned:
+                warned.add(name)
+                warnings.warn(
+                    f"fxpass_bpu: {name} {real} is past the largest bucket "
+                    f"({spec[name][-1]}); it gets its own exact-size variant (add a larger "
+                    f"bucket to buckets[{name!r}] to share one)", stacklevel=2)
         return _slice(compiled(**kw), size)
 
     model.forward = padded_forward
     return model
+
+
+class BucketProgram:
+    """What :func:`export_for_encoder` returns: one program per (batch, seq) bucket."""
+
+    def __init__(self, programs: dict[str, Any], options: dict[str, Any], meta: dict[str, Any]):
+        self.programs, self.options, self.meta = programs, options, meta
+
+    def save(self, path: str, *, progress: Any = None) -> str:
+        from fxpass.backends.bpu.package import save
+
+        return save(self.programs, self.options, path, extra={"encoder": self.meta},
+                    progress=progress)
+
+
+def export_for_encoder(
+    model: torch.nn.Module,
+    *,
+    buckets: dict[str, Sequence[int]],
+    options: dict[str, Any] | None = None,
+    progress: Any = None,
+) -> BucketProgram:
+    """Export an HF encoder once per bucket (every ``batch`` x ``seq`` pair; batch 1 when no
+    batch buckets are given) into one package whose programs share ``weights.bin``, so each
+    weight is stored once. ``load(path)`` pads each call to its bucket and slices back, as
+    :func:`compile_for_encoder` does; a size past every bucket is refused (a package never
+    compiles)."""
+    from fxpass.backends.bpu.aot import export_options, lower
+
+    spec = check_buckets(buckets)
+    if "seq" not in spec:
+        raise ValueError("export_for_encoder needs buckets['seq'] (the lengths to export)")
+    pad_id = _pad_id(model)
+    opts = export_options(options)
+    say = progress or (lambda _m: None)
+    types = "token_type_ids" in inspect.signature(model.forward).parameters
+    batches = spec.get("batch", [1])
+    was = model.training
+    model.eval()
+    programs = {}
+    try:
+        for b in batches:
+            for n in spec["seq"]:
+                say(f"bucket batch {b} x seq {n}")
+                kw = {"input_ids": torch.full((b, n), pad_id, dtype=torch.long),
+                      "attention_mask": torch.ones(b, n, dtype=torch.long)}
+                if types:
+                    kw["token_type_ids"] = torch.zeros(b, n, dtype=torch.long)
+                programs[f"b{b}_s{n}"] = lower(model, (), kw, opts, say)
+    finally:
+        model.train(was)
+    meta = {"buckets": {"batch": batches, "seq": spec["seq"]}, "pad_token_id": pad_id,
+            "token_type_ids": types}
+    return BucketProgram(programs, opts, meta)
+
+
+class EncoderRunner:
+    """A loaded bucket package: call it like the encoder (``input_ids``, ``attention_mask``,
+    ``token_type_ids``); each call runs the program of its bucket."""
+
+    def __init__(self, package: Any):
+        self.package = package
+        meta = package.manifest["encoder"]
+        self.spec = {k: list(v) for k, v in meta["buckets"].items()}
+        self.pad_id, self.types = int(meta["pad_token_id"]), bool(meta["token_type_ids"])
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None) -> Any:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"{self.package.path}: input_ids must be a 2-D tensor (batch, "
+                             "tokens)")
+        kw = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.types:
+            kw["token_type_ids"] = (token_type_ids if token_type_ids is not None
+                                    else torch.zeros_like(input_ids))
+        kw, size, over = pad_inputs(kw, self.spec, self.pad_id)
+        if over:
+            name, real = next(iter(over.items()))
+            raise ValueError(
+                f"{self.package.path}: {name} {real} is past the largest exported bucket "
+                f"({self.spec[name][-1]}); split the input, or export again with a larger "
+                f"bucket in buckets[{name!r}]")
+        b, n = kw["input_ids"].shape
+        program = self.package.programs[f"b{b}_s{n}"]
+        return _slice(program(**kw), size)

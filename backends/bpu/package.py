@@ -431,6 +431,10 @@ def load(path: str | os.PathLike) -> Any:
     from ``export`` gives a callable with the model's signature; one from
     ``export_for_generate`` a runner with ``generate(...)``."""
     pkg = open_package(path)
+    if "encoder" in pkg.manifest:
+        from fxpass.backends.bpu.encoders import EncoderRunner
+
+        return EncoderRunner(pkg)
     if "generate" in pkg.manifest:
         from fxpass.backends.bpu.runner import Runner
 

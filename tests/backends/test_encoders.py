@@ -106,3 +106,25 @@ def test_pooled_output_of_the_bucket_width_is_not_cut(opts):
 def test_bad_bucket_specs_are_refused(bad, why):
     with pytest.raises(ValueError, match=why):
         check_buckets(bad)
+
+
+def test_export_for_encoder_packages_one_program_per_bucket_sharing_weights(tmp_path):
+    from fxpass.backends.bpu import load
+    from fxpass.backends.bpu.encoders import export_for_encoder
+
+    eager = _encoder("bert")
+    program = export_for_encoder(_encoder("bert"), buckets={"seq": [16, 32], "batch": [2]})
+    path = program.save(str(tmp_path / "pkg"))
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    stored = (tmp_path / "pkg" / "weights.bin").stat().st_size
+    assert stored <= 1.05 * weights, (stored, weights)  # two programs, one copy of each weight
+    runner = load(path)
+    assert set(runner.package.programs) == {"b2_s16", "b2_s32"}
+    with torch.no_grad():
+        for b, n in ((1, 5), (2, 20), (2, 32)):
+            kw = _inputs(b, n, seed=n)
+            got, ref = runner(**kw), eager(**kw)
+            for e, a in zip(_tensors(ref), _tensors(got), strict=True):
+                torch.testing.assert_close(a, e, **TOL)
+    with pytest.raises(ValueError, match="seq 40 is past the largest exported bucket"):
+        runner(**_inputs(2, 40, seed=0))
