@@ -53,7 +53,7 @@ from torch.fx import Node
 from .graph import is_pure, writes
 from .rule import Rule, _describe, rule
 
-__all__ = ["ANY", "Match", "Num", "P", "Var", "pattern_rule"]
+__all__ = ["ANY", "Match", "Maybe", "Num", "Or", "P", "Var", "pattern_from", "pattern_rule"]
 
 _NO_DEFAULT = object()
 
@@ -132,7 +132,7 @@ class P:
         out: list[P] = [self]
         for a in (*self.args, *self.kwargs.values()):
             for x in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(x, P):
+                if isinstance(x, (P, Or)):
                     out.extend(x.nodes())
         return out
 
@@ -145,6 +145,46 @@ class P:
         """Why the pattern does not match at ``node`` (None if it does)."""
         _, why, _ = _match_root(self, node)
         return why
+
+
+class Or:
+    """Matches if one of ``alternatives`` does (tried in order; the first match's bindings
+    are kept). A ``Var`` bound in only some alternatives may be missing from the match: test
+    ``"name" in m.bindings``. At the root, the rule is indexed by every alternative's root."""
+
+    def __init__(self, *alternatives: Any):
+        if len(alternatives) < 2:
+            raise ValueError("Or(...) needs at least two alternatives")
+        self.alternatives = alternatives
+
+    @property
+    def targets(self) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for a in self.alternatives:
+            for t in getattr(a, "targets", ()):
+                if t not in out:
+                    out.append(t)
+        return tuple(out)
+
+    def nodes(self) -> list[P]:
+        return [n for a in self.alternatives if isinstance(a, (P, Or)) for n in a.nodes()]
+
+    def __repr__(self) -> str:
+        return f"Or({', '.join(repr(a) for a in self.alternatives)})"
+
+    def match(self, node: Node) -> Match | None:
+        m, _, _ = _match_root(self, node)
+        return m
+
+    def explain(self, node: Node) -> str | None:
+        _, why, _ = _match_root(self, node)
+        return why
+
+
+def Maybe(target: Any, inner: Any, *args: Any, **kwargs: Any) -> Or:  # noqa: N802
+    """``inner``, or ``inner`` wrapped in one ``target`` node (a cast that may or may not be
+    there): ``Maybe(aten._to_copy.default, P(...), dtype=ANY)``."""
+    return Or(P(target, inner, *args, **kwargs), inner)
 
 
 class Match:
@@ -197,7 +237,18 @@ def _match_value(pat: Any, v: Any, st: _State, where: str) -> str | None:
         return None
     if isinstance(pat, P):
         return _match_op(pat, v, st, where)
-    if isinstance(pat, (list, tuple)) and any(isinstance(x, (P, Var, Num, _Any)) for x in pat):
+    if isinstance(pat, Or):
+        whys = []
+        for alt in pat.alternatives:
+            saved = (dict(st.bindings), list(st.nodes), st.depth)
+            why = _match_value(alt, v, st, where)
+            if why is None:
+                return None
+            whys.append(why)
+            st.bindings, st.nodes, depth = saved
+            st.depth = max(st.depth, depth)
+        return " / ".join(f"alternative {i}: {w}" for i, w in enumerate(whys))
+    if isinstance(pat, (list, tuple)) and any(isinstance(x, (P, Or, Var, Num, _Any)) for x in pat):
         if not isinstance(v, (list, tuple)) or len(v) != len(pat):
             return f"{where}: wants a list of {len(pat)}, got {_label(v)}"
         for i, (p, x) in enumerate(zip(pat, v, strict=True)):
@@ -308,9 +359,9 @@ def _bind_node(pat: P, v: Node, st: _State, where: str) -> str | None:
     return None
 
 
-def _match_root(pat: P, node: Node) -> tuple[Match | None, str | None, int]:
+def _match_root(pat: P | Or, node: Node) -> tuple[Match | None, str | None, int]:
     st = _State()
-    why = _match_op(pat, node, st, "root")
+    why = _match_value(pat, node, st, "root")
     if why is not None:
         return None, why, st.depth
     matched = {n for n, _ in st.nodes}
@@ -355,8 +406,9 @@ def pattern_rule(
     The rule carries the pattern (``rule.pattern``), so ``fxpass.testing.check_rule`` also
     generates graphs around it, shared inner values included.
     """
-    if not isinstance(pattern, P):
-        raise TypeError(f"pattern_rule wants a P(...) pattern at the root, got {pattern!r}")
+    if not isinstance(pattern, (P, Or)) or not pattern.targets:
+        raise TypeError(f"pattern_rule wants a P(...) or Or(P(...), ...) pattern at the root, "
+                        f"got {pattern!r}")
 
     def wrap(fn: RewriteFn) -> Rule:
         def apply(node: Node, rw: Any) -> bool:
@@ -390,3 +442,6 @@ def pattern_rule(
         return dataclasses.replace(made, pattern=pattern)
 
     return wrap
+
+
+from .by_example import pattern_from  # noqa: E402 - it builds the classes above

@@ -16,7 +16,7 @@ from fxpass.rules.constant_folding import constant_folding
 from fxpass.rules.constant_index import constant_index
 from fxpass.rules.constant_pad import constant_pad
 from fxpass.rules.cse import cse
-from fxpass.rules.erf_gelu import erf_gelu, erf_gelu_scaled
+from fxpass.rules.erf_gelu import erf_gelu
 from fxpass.rules.functional_copy import functional_copy
 from fxpass.rules.group_norm import group_norm
 from fxpass.rules.im2col import im2col_to_slices
@@ -26,11 +26,13 @@ from fxpass.rules.max_dim import max_dim_values
 from fxpass.rules.new_full import new_full
 from fxpass.rules.reductions import sum_to_mean, vector_norm
 from fxpass.rules.repeat_cat import pointwise_before_repeat_cat
+from fxpass.rules.rms_norm import rms_norm
 from fxpass.rules.roll import roll_to_cat
 from fxpass.rules.safe_softmax import safe_softmax
 from fxpass.rules.scalar_overloads import scalar_overloads
 from fxpass.rules.sdpa import sdpa_decomposition
 from fxpass.rules.slice_scatter import slice_scatter_to_cat
+from fxpass.rules.square import square
 from fxpass.rules.stack import stack_to_cat
 from fxpass.rules.unbind import unbind_to_select
 
@@ -60,7 +62,8 @@ ALL = (
     clamp_to_hardtanh,
     as_strided_view,
     erf_gelu,
-    erf_gelu_scaled,
+    square,
+    rms_norm,
     cse,
     bf16_promotion,
     bf16_cast_cancel,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from fxpass.pattern import Num, P, Var, pattern_rule
+from fxpass.pattern import Num, Or, P, Var, pattern_rule
 from fxpass.rules._util import aten
 
 _HALF = P(aten.mul.Tensor, Var("x"), Num("half"), commute=True)
@@ -30,33 +30,29 @@ def _erf_of(scaled: P) -> P:
              commute=True)
 
 
-def _constants(k: float):
-    def check(m) -> bool | str:
-        if m.half != 0.5 or m.one != 1:
-            return "not the GELU constants (0.5, 1)"
-        if not math.isclose(m.k, k, rel_tol=1e-6):
-            return f"not x * {k:.6g} inside the erf"
-        return True
-
-    return check
+def _constants(m) -> bool | str:
+    if m.half != 0.5 or m.one != 1:
+        return "not the GELU constants (0.5, 1)"
+    if "div_k" in m.bindings:
+        if not math.isclose(m.div_k, math.sqrt(2.0), rel_tol=1e-6):
+            return f"not x / {math.sqrt(2.0):.6g} inside the erf"
+    elif not math.isclose(m.mul_k, math.sqrt(0.5), rel_tol=1e-6):
+        return f"not x * {math.sqrt(0.5):.6g} inside the erf"
+    return True
 
 
 def _has_erf(gm) -> bool:
-    """Offer the rules only to graphs with an erf: every other mul would be a near miss in the
+    """Offer the rule only to graphs with an erf: every other mul would be a near miss in the
     report."""
     return bool(gm.graph.find_nodes(op="call_function", target=aten.erf.default))
 
 
-def _gelu(rw, m):
+#: both spellings of the scaled input: x / sqrt(2), or x * sqrt(0.5)
+_SCALED = Or(P(aten.div.Tensor, Var("x"), Num("div_k")),
+             P(aten.mul.Tensor, Var("x"), Num("mul_k"), commute=True))
+
+
+@pattern_rule(_erf_of(_SCALED), name="erf_gelu", check=_constants, applies=_has_erf)
+def erf_gelu(rw, m):
     """x * 0.5 * (1 + erf(x / sqrt(2))) -> gelu(x)."""
     return rw.call(aten.gelu.default, m.x)
-
-
-erf_gelu = pattern_rule(
-    _erf_of(P(aten.div.Tensor, Var("x"), Num("k"))), name="erf_gelu",
-    check=_constants(math.sqrt(2.0)), applies=_has_erf,
-)(_gelu)
-erf_gelu_scaled = pattern_rule(
-    _erf_of(P(aten.mul.Tensor, Var("x"), Num("k"), commute=True)), name="erf_gelu_scaled",
-    check=_constants(math.sqrt(0.5)), applies=_has_erf,
-)(_gelu)

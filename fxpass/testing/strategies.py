@@ -223,7 +223,7 @@ def pattern_graphs(
     """
     from hypothesis import reject
 
-    from ..pattern import ANY, Num, P, Var
+    from ..pattern import ANY, Num, Or, P, Var
 
     vocab = [VOCAB[o] if isinstance(o, str) else o for o in ops]
     b = _Builder(draw, dtypes, max_inputs, max_rank)
@@ -243,6 +243,8 @@ def pattern_graphs(
 
     def make(p: Any, inner: bool, where: tuple[str, Any] | None = None) -> Any:
         # ``where`` is (argument name, schema type) of the position ``p`` fills, when known
+        if isinstance(p, Or):  # one alternative per graph: each is generated in turn
+            p = draw(st.sampled_from(list(p.alternatives)))
         if isinstance(p, (Var, Num)):
             if p.name not in bound:
                 if isinstance(p, Num):

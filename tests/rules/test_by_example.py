@@ -1,0 +1,116 @@
+"""Patterns by example (pattern_from), alternatives (Or, Maybe), the square canonical form,
+erf_gelu as one rule and rms_norm written by example; the guide's example runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpass import PassManager
+from fxpass.pattern import ANY, Maybe, Or, P, Var, pattern_from
+from fxpass.plugins import select_rules
+from fxpass.rules import rms_norm, square
+from fxpass.testing import check_rule, trace
+
+aten = torch.ops.aten
+DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-rule.md"
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_or_matches_either_alternative_and_says_why_neither():
+    pat = Or(P(aten.neg.default, Var("x")), P(aten.relu.default, Var("x")))
+    for fn in (lambda a: torch.neg(a) + 1, lambda a: torch.relu(a) + 1):
+        gm = trace(fn, torch.ones(3))
+        root = next(n for n in gm.graph.nodes if n.target in pat.targets)
+        assert pat.match(root).x.op == "placeholder"
+    gm = trace(lambda a: torch.tanh(a), torch.ones(3))
+    (t,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    why = pat.explain(t)
+    assert "alternative 0" in why and "alternative 1" in why
+
+
+def test_maybe_matches_with_and_without_the_cast():
+    pat = Maybe(aten._to_copy.default, P(aten.neg.default, Var("x")), dtype=ANY)
+    with_cast = trace(lambda a: (-a).to(torch.float64), torch.ones(3))
+    without = trace(lambda a: -a, torch.ones(3))
+    for gm, target in ((with_cast, aten._to_copy.default), (without, aten.neg.default)):
+        root = next(n for n in gm.graph.nodes if n.target is target)
+        assert pat.match(root) is not None
+
+
+def test_pattern_from_is_shape_generic_and_merges_dtypes_as_alternatives():
+    p = pattern_from(_rms, (torch.randn(2, 8), torch.randn(8)),
+                     (torch.randn(3, 4, 16), torch.randn(16)), nums=["eps"])
+    assert isinstance(p, P) and "Num('eps')" in repr(p) and "Var('x')" in repr(p)
+
+    def cast(x, w, eps):
+        return _rms(x.float(), w.float(), eps).to(x.dtype)
+
+    bf16 = (torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16())
+    q = pattern_from(cast, (torch.randn(2, 8), torch.randn(8)), bf16, nums=["eps"])
+    assert isinstance(q, Or) and len(q.alternatives) == 2  # float32 as is, bf16 with casts
+
+
+def test_pattern_from_refuses_what_it_cannot_express():
+    with pytest.raises(TypeError, match="never reach the graph as a constant"):
+        pattern_from(lambda x, eps: x * (eps * 2), (torch.ones(2),), nums=["eps"])
+    with pytest.raises(TypeError, match="must return one tensor"):
+        pattern_from(lambda x: (x + 1, x - 1), (torch.ones(2),))
+    with pytest.raises(TypeError, match="nums \\['e'\\] are not parameters"):
+        pattern_from(lambda x: x + 1, (torch.ones(2),), nums=["e"])
+
+
+def test_square_is_one_spelling_and_passes_the_kit():
+    from fxpass.testing import aten_graphs
+
+    assert check_rule(square, aten_graphs(ops=["mul", "pow", "neg"], max_ops=5)) > 0
+    gm = trace(lambda a, b: a * b + (a * a).int() * 1, torch.ones(3), torch.ones(3))
+    PassManager([square]).run(gm)
+    assert len(gm.graph.find_nodes(op="call_function", target=aten.pow.Tensor_Scalar)) == 1
+
+
+@pytest.mark.parametrize("spelling", ["pow2", "pow2.0", "mul"])
+def test_rms_norm_matches_every_square_spelling(spelling):
+    sq = {"pow2": lambda x: x.pow(2), "pow2.0": lambda x: x ** 2.0, "mul": lambda x: x * x}
+    f = sq[spelling]
+    gm = trace(lambda x, w: w * (x * torch.rsqrt(f(x).mean(-1, keepdim=True) + 1e-6)),
+               torch.randn(2, 8), torch.randn(8))
+    rules = select_rules(target="bpu", enable=["rms_norm"])
+    assert PassManager(rules).run(gm).rewrites.get("rms_norm") == 1
+    x, w = torch.randn(2, 8), torch.randn(8)
+    torch.testing.assert_close(gm(x, w), _rms(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rms_norm_finds_every_norm_of_a_captured_hf_model(family, dtype):
+    import fxpass
+    from fxpass.backends.bpu import zoo
+
+    model, kw = zoo.get(family, dtype=dtype)
+    (gm,) = fxpass.capture(model, **kw)
+    report = PassManager(select_rules(target="bpu", enable=["rms_norm"])).run(gm)
+    layers = model.config.num_hidden_layers
+    per_layer = 4 if family == "qwen3" else 2  # Qwen3 also norms q and k
+    assert report.rewrites.get("rms_norm") == per_layer * layers + 1, report.rewrites
+
+
+def test_rms_norm_passes_check_rule_with_defaults_and_is_off_by_default():
+    assert check_rule(rms_norm) > 0
+    assert not rms_norm.default
+    assert "rms_norm" not in {r.name for r in select_rules(target="bpu")}
+
+
+def test_the_guides_by_example_rule_runs_and_passes_the_kit():
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+                if "pattern_from(" in b]
+    assert len(block.strip().splitlines()) <= 15
+    ns: dict = {}
+    exec(compile(block, str(DOC), "exec"), ns)
+    assert check_rule(ns["my_rms_norm"]) > 0
