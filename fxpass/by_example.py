@@ -70,8 +70,8 @@ def _tree(gm: GraphModule, names: list[str], sentinels: dict[float, str]) -> Any
     roots = out.args[0]
     roots = list(roots) if isinstance(roots, (tuple, list)) else [roots]
     if len(roots) != 1 or not isinstance(roots[0], Node):
-        raise TypeError("pattern_from: the function must return one tensor (multi-output "
-                        "patterns are not supported yet)")
+        raise TypeError("pattern_from: the function must return one tensor; for several "
+                        "outputs write fxpass.pattern.Multi(p0, p1, ...) of one pattern each")
     inside = {n for n in gm.graph.nodes if n.op == "call_function"}
     shared = {n for n in inside if sum(u in inside for u in n.users) > 1}
     seen_num: set[str] = set()

@@ -53,7 +53,8 @@ from torch.fx import Node
 from .graph import is_pure, writes
 from .rule import Rule, _describe, rule
 
-__all__ = ["ANY", "Match", "Maybe", "Num", "Or", "P", "Var", "pattern_from", "pattern_rule"]
+__all__ = ["ANY", "Match", "Maybe", "Multi", "Num", "Or", "P", "Var", "pattern_from",
+           "pattern_rule"]
 
 _NO_DEFAULT = object()
 
@@ -187,11 +188,47 @@ def Maybe(target: Any, inner: Any, *args: Any, **kwargs: Any) -> Or:  # noqa: N8
     return Or(P(target, inner, *args, **kwargs), inner)
 
 
-class Match:
-    """Bindings by name (``m.x``), the root node (``m.root``) and every matched node."""
+class Multi:
+    """Several roots matched together (a multi-output pattern): ``Multi(p0, p1, ...)``.
 
-    def __init__(self, root: Node, bindings: dict[str, Any], nodes: list[Node]):
+    The rule is indexed by ``p0``'s targets; each further root is looked for among the users
+    of the nodes matched or bound so far, with the same bindings (a ``Var`` named in two roots
+    is one value). The single-use rule covers the whole match: an inner node may be used by
+    any node of any root, by nothing else. The rewrite returns one replacement per root (a
+    tuple, in order), built before the earliest root."""
+
+    def __init__(self, *roots: P):
+        if len(roots) < 2 or not all(isinstance(r, P) for r in roots):
+            raise ValueError("Multi(...) takes two or more P(...) roots")
+        self.roots = roots
+
+    @property
+    def targets(self) -> tuple[Any, ...]:
+        return self.roots[0].targets
+
+    def nodes(self) -> list[P]:
+        return [n for r in self.roots for n in r.nodes()]
+
+    def __repr__(self) -> str:
+        return f"Multi({', '.join(repr(r) for r in self.roots)})"
+
+    def match(self, node: Node) -> Match | None:
+        m, _, _ = _match_root(self, node)
+        return m
+
+    def explain(self, node: Node) -> str | None:
+        _, why, _ = _match_root(self, node)
+        return why
+
+
+class Match:
+    """Bindings by name (``m.x``), the root node (``m.root``; every root of a ``Multi`` in
+    ``m.roots``) and every matched node."""
+
+    def __init__(self, root: Node, bindings: dict[str, Any], nodes: list[Node],
+                 roots: list[Node] | None = None):
         self.root, self.bindings, self.nodes = root, bindings, nodes
+        self.roots = roots or [root]
 
     def __getattr__(self, key: str) -> Any:
         try:
@@ -359,14 +396,49 @@ def _bind_node(pat: P, v: Node, st: _State, where: str) -> str | None:
     return None
 
 
-def _match_root(pat: P | Or, node: Node) -> tuple[Match | None, str | None, int]:
+def _more_roots(pat: Multi, first: Node, st: _State) -> tuple[list[Node], str | None]:
+    """The roots after the first: each the first user (in graph order) of a node matched or
+    bound so far that matches its pattern with the bindings so far."""
+    roots = [first]
+    for i, p in enumerate(pat.roots[1:], 1):
+        taken = {n for n, _ in st.nodes} | set(roots)
+        seeds = taken | {v for v in st.bindings.values() if isinstance(v, Node)}
+        pool = sorted({u for n in seeds for u in n.users if u not in taken},
+                      key=lambda u: _order(u))
+        for cand in pool:
+            saved = (dict(st.bindings), list(st.nodes), st.depth)
+            if _match_value(p, cand, st, f"root {i}") is None:
+                roots.append(cand)
+                break
+            st.bindings, st.nodes, st.depth = saved
+        else:
+            return roots, f"root {i} ({p!r}) matches no user of the values root 0 matched"
+    return roots, None
+
+
+def _order(n: Node) -> int:
+    """A node's position (FX keeps nodes in a linked list: count from the graph's start)."""
+    i = 0
+    for i, x in enumerate(n.graph.nodes):  # noqa: B007 - the index is the answer
+        if x is n:
+            break
+    return i
+
+
+def _match_root(pat: P | Or | Multi, node: Node) -> tuple[Match | None, str | None, int]:
     st = _State()
-    why = _match_value(pat, node, st, "root")
+    first = pat.roots[0] if isinstance(pat, Multi) else pat
+    why = _match_value(first, node, st, "root")
     if why is not None:
         return None, why, st.depth
+    roots = [node]
+    if isinstance(pat, Multi):
+        roots, why = _more_roots(pat, node, st)
+        if why is not None:
+            return None, why, max(st.depth, 2)
     matched = {n for n, _ in st.nodes}
     for n, p in st.nodes:
-        if n is node:
+        if n in roots:
             continue
         if not is_pure(n) or writes(n.target):
             return None, f"{n.name} ({n.target}) is not a pure value (it writes or is impure)", 9
@@ -383,7 +455,7 @@ def _match_root(pat: P | Or, node: Node) -> tuple[Match | None, str | None, int]
                     9,
                 )
     bindings = dict(st.bindings)
-    return Match(node, bindings, [n for n, _ in st.nodes]), None, st.depth
+    return Match(node, bindings, [n for n, _ in st.nodes], roots), None, st.depth
 
 
 RewriteFn = Callable[[Any, Match], Any]
@@ -406,9 +478,9 @@ def pattern_rule(
     The rule carries the pattern (``rule.pattern``), so ``fxpass.testing.check_rule`` also
     generates graphs around it, shared inner values included.
     """
-    if not isinstance(pattern, (P, Or)) or not pattern.targets:
-        raise TypeError(f"pattern_rule wants a P(...) or Or(P(...), ...) pattern at the root, "
-                        f"got {pattern!r}")
+    if not isinstance(pattern, (P, Or, Multi)) or not pattern.targets:
+        raise TypeError(f"pattern_rule wants a P(...), Or(P(...), ...) or Multi(P(...), ...) "
+                        f"pattern at the root, got {pattern!r}")
 
     def wrap(fn: RewriteFn) -> Rule:
         def apply(node: Node, rw: Any) -> bool:
@@ -421,6 +493,8 @@ def pattern_rule(
                 ok = check(m)
                 if ok is False or isinstance(ok, str):
                     return rw.skip(ok if isinstance(ok, str) else f"check {check.__name__} failed")
+            if isinstance(pattern, Multi):
+                return _rewrite_multi(rw, m, fn)
             out = fn(rw, m)
             if out is None or out is False:
                 return False
@@ -442,6 +516,29 @@ def pattern_rule(
         return dataclasses.replace(made, pattern=pattern)
 
     return wrap
+
+
+def _rewrite_multi(rw: Any, m: Match, fn: RewriteFn) -> bool:
+    """A multi-root rewrite, built before the earliest root (every root's users come after
+    it); its inputs must all be defined before that point, else the rule skips."""
+    first = min(m.roots, key=_order)
+    start = _order(first)
+    late = [v.name for v in m.bindings.values()
+            if isinstance(v, Node) and v not in m.nodes and _order(v) > start]
+    if late:
+        return rw.skip(f"pattern: {late} are defined after the first root {first.name}")
+    with rw.at(first):
+        out = fn(rw, m)
+    if out is None or out is False:
+        return False
+    if out is True:
+        return True
+    if not isinstance(out, (tuple, list)) or len(out) != len(m.roots):
+        raise TypeError(f"a Multi pattern's rewrite returns one replacement per root "
+                        f"({len(m.roots)}), got {out!r}")
+    for root, new in zip(m.roots, out, strict=True):
+        rw.replace(root, new)
+    return True
 
 
 from .by_example import pattern_from  # noqa: E402 - it builds the classes above

@@ -17,7 +17,9 @@ which shapes it is for, its compile time and the evictions so far.
 Only graphs whose symbolic ints are all sizes of their tensor inputs are specialized. A
 symbolic int that is no tensor's size (a KV-cache counter that ``compile_for_generate`` makes
 symbolic on purpose) is host-side index arithmetic: specializing on it would compile a
-variant per token, so such graphs keep the static path.
+variant per token, so such graphs keep the static path. So do graphs that grow their state by
+concatenation (HF's dynamic cache): a variant per token; the backend warns with the
+static-cache fix (``generation.warn_if_growing``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ def _symbols(v: Any) -> set[Any]:
 
 def specializable(gm: GraphModule) -> list[int] | None:
     """The placeholder indices that key a variant, or None when ``gm`` is not a symbolic
-    graph this module specializes (static, or with a symbolic int that is no tensor's size)."""
+    graph this module specializes: static, with a symbolic int that is no tensor's size, or
+    one that returns state grown by concatenation (a dynamic KV cache: every token a new
+    shape, so a variant per token; the backend warns with the static-cache fix instead)."""
+    from fxpass.backends.bpu.generation import growing_state
+
+    if growing_state(gm):
+        return None
     phs = gm.graph.find_nodes(op="placeholder")
     vals = [p.meta.get("val") for p in phs]
     tensor_syms: set[Any] = set()

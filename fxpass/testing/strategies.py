@@ -162,7 +162,10 @@ class _Builder:
             if built is None:
                 continue
             target, args, kwargs = built
-            n = self.emit(target, tuple(self.expand(a) for a in args), kwargs)
+            try:
+                n = self.emit(target, tuple(self.expand(a) for a in args), kwargs)
+            except Exception:  # noqa: BLE001 - operands of two shapes (after a pattern that
+                continue  # changes shape, a slice say): that op is not drawn
             self.pool.append(n)
             self.maybe_fan_out(n)
 
@@ -223,7 +226,7 @@ def pattern_graphs(
     """
     from hypothesis import reject
 
-    from ..pattern import ANY, Num, Or, P, Var
+    from ..pattern import ANY, Multi, Num, Or, P, Var
 
     vocab = [VOCAB[o] if isinstance(o, str) else o for o in ops]
     b = _Builder(draw, dtypes, max_inputs, max_rank)
@@ -289,7 +292,8 @@ def pattern_graphs(
             b.maybe_fan_out(n)
         return n
 
-    make(pattern, False)
+    for root in pattern.roots if isinstance(pattern, Multi) else (pattern,):
+        make(root, False)  # a Multi's roots share their bindings: one Var, one value
     b.random_ops(vocab, draw(st.integers(0, max_ops)))
     return b.finish(f"around {pattern!r}")
 

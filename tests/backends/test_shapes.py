@@ -131,3 +131,13 @@ def test_a_symbolic_counter_that_is_no_size_keeps_the_static_path():
     assert shapes.specializable(gm) is None
     gm2 = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.ones(3))
     assert shapes.specializable(gm2) == [0]
+
+
+def test_a_growing_dynamic_cache_is_not_specialized_per_token():
+    """HF's dynamic cache returns cat(past, new): a new shape every token. Specializing it
+    would compile a variant per token; the backend's growing-cache warning names the fix."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda past, new: (torch.cat([past, new], 1) * 2, torch.cat([past, new], 1)),
+                 tracing_mode="symbolic")(torch.ones(1, 3, 4), torch.ones(1, 1, 4))
+    assert shapes.specializable(gm) is None

@@ -116,6 +116,33 @@ def test_check_rule_catches_a_wrong_fan_out_version(installed):
 
 def test_every_python_block_is_covered():
     # each block is run by this file, except the capture block (tests/fxpass/test_capture.py)
-    covered = ("def fold_muls", "def gelu_tanh", "def test_fold_muls", "compile_reports()")
+    # and the by-example rule (tests/rules/test_by_example.py)
+    covered = ("def fold_muls", "def gelu_tanh", "def test_fold_muls", "compile_reports()",
+               "pattern_from(")
     for b in _blocks("python"):
         assert any(c in b for c in covered) or "fxpass.capture(" in b, b[:80]
+
+
+@pytest.mark.slow
+def test_the_guides_plugin_builds_as_a_wheel(tmp_path):
+    """The guide's whole pyproject.toml and modules, built the way pip installs them: the wheel
+    holds the package and the entry points fxpass reads."""
+    import subprocess
+    import zipfile
+
+    root = tmp_path / "my-rules"
+    (root / "my_rules").mkdir(parents=True)
+    (root / "pyproject.toml").write_text(_blocks("toml")[0])
+    (root / "my_rules" / "__init__.py").write_text("")
+    py = _blocks("python")
+    (root / "my_rules" / "fold_muls.py").write_text(next(b for b in py if "def fold_muls" in b))
+    (root / "my_rules" / "gelu_tanh.py").write_text(next(b for b in py if "def gelu_tanh" in b))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "dist"), str(root)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (whl,) = (tmp_path / "dist").glob("my_rules-0.1.0-*.whl")
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        eps = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "my_rules/fold_muls.py" in names and "my_rules/gelu_tanh.py" in names
+    assert "[fxpass]" in eps and "my_fold = my_rules.fold_muls" in eps

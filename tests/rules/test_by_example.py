@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxpass import PassManager
-from fxpass.pattern import ANY, Maybe, Or, P, Var, pattern_from
+from fxpass.pattern import ANY, Maybe, Multi, Or, P, Var, pattern_from, pattern_rule
 from fxpass.plugins import select_rules
 from fxpass.rules import rms_norm, square
 from fxpass.testing import check_rule, trace
@@ -114,3 +114,65 @@ def test_the_guides_by_example_rule_runs_and_passes_the_kit():
     ns: dict = {}
     exec(compile(block, str(DOC), "exec"), ns)
     assert check_rule(ns["my_rms_norm"]) > 0
+
+
+# ---- multi-output patterns ---------------------------------------------------------------
+
+
+HALVES = Multi(P(aten.slice.Tensor, Var("x"), Var("dim"), 0, Var("d")),
+               P(aten.slice.Tensor, Var("x"), Var("dim"), Var("d"), Var("end")))
+
+
+def _halves_check(m):
+    shape = m.x.meta["val"].shape
+    if not (isinstance(m.dim, int) and m.dim % len(shape) == len(shape) - 1):
+        return "not the last dim"
+    n = shape[-1]
+    return (isinstance(m.d, int) and m.end >= n and 2 * m.d == n) or "not two equal halves"
+
+
+@pattern_rule(HALVES, name="halves_to_split", check=_halves_check)
+def halves_to_split(rw, m):
+    """x[..., :d], x[..., d:] -> split(x, d, -1): one op, both outputs at once."""
+    import operator
+
+    s = rw.call(aten.split.Tensor, m.x, m.d, -1)
+    return rw.call(operator.getitem, s, 0), rw.call(operator.getitem, s, 1)
+
+
+def _rotate_half(x):  # HF's rotary helper: both halves of the last dim
+    d = x.shape[-1] // 2
+    return torch.cat((-x[..., d:], x[..., :d]), -1)
+
+
+def test_multi_output_pattern_replaces_both_roots_exactly():
+    gm = trace(_rotate_half, torch.randn(2, 3, 8))
+    report = PassManager([halves_to_split], check=True).run(gm)
+    assert report.rewrites == {"halves_to_split": 1}
+    assert not gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(gm(x), _rotate_half(x))
+
+
+def test_multi_output_pattern_passes_check_rule():
+    from hypothesis import strategies as st
+
+    from fxpass.testing import T, traced_graphs
+
+    specs = st.tuples(st.integers(1, 3), st.sampled_from([2, 4, 8])).map(
+        lambda s: ([T((s[0], s[1]))], {}))
+    assert check_rule(halves_to_split, traced_graphs(_rotate_half, specs), max_examples=20) > 0
+
+
+def test_multi_output_single_use_covers_the_whole_match():
+    shared_relu = Multi(P(aten.neg.default, P(aten.relu.default, Var("x"), name="r")),
+                        P(aten.tanh.default, P(aten.relu.default, Var("x"), name="r")))
+    gm = trace(lambda a: (-torch.relu(a), torch.tanh(torch.relu(a))), torch.ones(3))
+    PassManager([r for r in select_rules(target="bpu") if r.name == "cse"]).run(gm)
+    neg = next(n for n in gm.graph.nodes if n.target is aten.neg.default)
+    assert shared_relu.match(neg) is not None  # relu's two users are both roots of the match
+    gm2 = trace(lambda a: (-torch.relu(a), torch.tanh(torch.relu(a)), torch.relu(a) * 2),
+                torch.ones(3))
+    PassManager([r for r in select_rules(target="bpu") if r.name == "cse"]).run(gm2)
+    neg2 = next(n for n in gm2.graph.nodes if n.target is aten.neg.default)
+    assert "also used by" in shared_relu.explain(neg2)  # a third user outside the match
