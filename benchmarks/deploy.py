@@ -33,23 +33,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
-from benchmarks.generate import GenAI, _compile_for, _hf_generate
+from benchmarks import generate, harness
+from benchmarks.generate import PROMPT, GenAI, _build, _compile_for, _hf_generate
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT, CHUNK = 32, 32
-MODELS = {
-    "qwen3-4x512": ("qwen3", dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000)),
-    "llama-4x512": ("llama", dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000)),
-}
-
-
-def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    from fxpass.backends.bpu import zoo
-
-    family, kw = MODELS[name]
-    model, inputs = zoo.get(family, tokens=PROMPT, **kw)
-    return model, inputs["input_ids"]
+CHUNK = 32
+MODELS = {k: generate.MODELS[k] for k in ("qwen3-4x512", "llama-4x512")}
 
 
 def _outside_region(runner: Any, ids: torch.Tensor, steps: int, rounds: int = 5) -> dict:

@@ -96,7 +96,21 @@ def _overloads(t: Any) -> tuple[Any, ...]:
     return (t,)
 
 
-class P:
+class _Rooted:
+    """``match``/``explain`` at a node, for every pattern that can be a rule's root."""
+
+    def match(self, node: Node) -> Match | None:
+        """The match rooted at ``node``, or None (see :meth:`explain` for why not)."""
+        m, _, _ = _match_root(self, node)
+        return m
+
+    def explain(self, node: Node) -> str | None:
+        """Why the pattern does not match at ``node`` (None if it does)."""
+        _, why, _ = _match_root(self, node)
+        return why
+
+
+class P(_Rooted):
     """An op node pattern (see the module docstring)."""
 
     def __init__(
@@ -137,18 +151,8 @@ class P:
                     out.extend(x.nodes())
         return out
 
-    def match(self, node: Node) -> Match | None:
-        """The match rooted at ``node``, or None (see :meth:`explain` for why not)."""
-        m, _, _ = _match_root(self, node)
-        return m
 
-    def explain(self, node: Node) -> str | None:
-        """Why the pattern does not match at ``node`` (None if it does)."""
-        _, why, _ = _match_root(self, node)
-        return why
-
-
-class Or:
+class Or(_Rooted):
     """Matches if one of ``alternatives`` does (tried in order; the first match's bindings
     are kept). A ``Var`` bound in only some alternatives may be missing from the match: test
     ``"name" in m.bindings``. At the root, the rule is indexed by every alternative's root."""
@@ -173,14 +177,6 @@ class Or:
     def __repr__(self) -> str:
         return f"Or({', '.join(repr(a) for a in self.alternatives)})"
 
-    def match(self, node: Node) -> Match | None:
-        m, _, _ = _match_root(self, node)
-        return m
-
-    def explain(self, node: Node) -> str | None:
-        _, why, _ = _match_root(self, node)
-        return why
-
 
 def Maybe(target: Any, inner: Any, *args: Any, **kwargs: Any) -> Or:  # noqa: N802
     """``inner``, or ``inner`` wrapped in one ``target`` node (a cast that may or may not be
@@ -188,7 +184,7 @@ def Maybe(target: Any, inner: Any, *args: Any, **kwargs: Any) -> Or:  # noqa: N8
     return Or(P(target, inner, *args, **kwargs), inner)
 
 
-class Multi:
+class Multi(_Rooted):
     """Several roots matched together (a multi-output pattern): ``Multi(p0, p1, ...)``.
 
     The rule is indexed by ``p0``'s targets; each further root is looked for among the users
@@ -211,14 +207,6 @@ class Multi:
 
     def __repr__(self) -> str:
         return f"Multi({', '.join(repr(r) for r in self.roots)})"
-
-    def match(self, node: Node) -> Match | None:
-        m, _, _ = _match_root(self, node)
-        return m
-
-    def explain(self, node: Node) -> str | None:
-        _, why, _ = _match_root(self, node)
-        return why
 
 
 class Match:

@@ -129,6 +129,10 @@ def run_main(args: argparse.Namespace) -> int:
     except PackageError as e:
         print(f"fxpass run: {e}", file=sys.stderr)
         return 2
+    if "main" not in getattr(program, "programs", {}):
+        print(f"fxpass run: {args.package} is a generation or bucket package; run it with "
+              "fxpass generate, or load(path) in Python", file=sys.stderr)
+        return 2
     loaded = time.perf_counter() - t0
     if args.inputs:
         call_args, call_kwargs = torch.load(args.inputs)
