@@ -139,10 +139,19 @@ class ShapeVariants:
         seconds = time.perf_counter() - t0
         STATS["shape_variants"] += 1
         cap = self.opts.get("max_shape_variants") or MAX_SHAPE_VARIANTS
+        evicted = False
         while len(self.variants) >= cap:
-            old, _ = self.variants.popitem(last=False)  # its sessions go with it
+            self.variants.popitem(last=False)  # its sessions go with it
             self.evictions += 1
             STATS["shape_evictions"] += 1
+            evicted = True
+        if evicted:  # hand the evicted sessions' memory back to the OS, not to malloc's pool
+            import gc
+
+            from fxpass.backends.bpu.runtime import _malloc_trim
+
+            gc.collect()
+            _malloc_trim()
         self.variants[sig] = run
         self.compiled.append((_describe(sig), seconds))
         report = getattr(run, "report", None)
