@@ -1,0 +1,115 @@
+"""Write docs/benchmarks.md: per benchmark, the question, the command, the latest table, how to
+read it, from ``benchmarks/results/<stem>.md`` as each benchmark last wrote it.
+
+    python -m benchmarks.reference
+
+Why generated: the page is a reference, not a diary. A benchmark run replaces its results
+file; this rebuilds the page from the latest ones, so a table is never typed in by hand and no
+dated history piles up (git keeps it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: (module, results stem, max table lines, how to read it)
+SUITE: list[tuple[str, str, int, str]] = [
+    ("deploy", "deploy", 40,
+     "Decode ms/token is (t(1 + N) - t(1)) / N from medians of round-robin samples. The "
+     "package (`export_for_generate`, loaded in the same process) against eager HF "
+     "`generate(cache_implementation=\"static\")`, the JIT path (`compile_for_generate`) and "
+     "ONNX Runtime GenAI on the same weights; every contender's tokens are checked against "
+     "eager's. \"outside ms\" is a decode step's wall time minus its region executor's. \"load "
+     "-> 1st token\" is measured in a fresh process after the imports."),
+    ("generate", "generate", 40,
+     "The JIT path: `generate()` with a static cache through eager, inductor, fxpass_bpu and "
+     "GenAI. Graphs and regions per graph come from `fxpass.compile_reports()`; the step "
+     "breakdown splits a fxpass decode step into region, wrappers and HF's loop."),
+    ("shapes", "shapes", 40,
+     "16 BERT inputs (lengths 8-128, batch 1-4) and 6 ResNet image sizes: first pass with "
+     "compiles, warm pass (median of 3), Dynamo graphs, fxpass variants compiled, recompile "
+     "warnings, values against eager. The memory table is RSS over distinct lengths past the "
+     "variant bound. See docs/shapes.md."),
+    ("prompt_lengths", "prompt_lengths", 20,
+     "generate() over twelve prompt lengths as a chat sends them: graphs compiled and the first "
+     "pass with compiles, chunked prefill against one compile per exact length."),
+    ("run", "latest", 60,
+     "The single-forward and scaling suite (`benchmarks.models`, `benchmarks.scaling`) with "
+     "each performance bar next to its measurement and a verdict computed from it."),
+    ("compile_time", "compile_time", 20,
+     "Cold first call and warm new process, fxpass_bpu against inductor, fresh processes; "
+     "the backend's own time apart from Dynamo's and AOTAutograd's."),
+    ("architectures", "architectures", 30,
+     "Every model family transformers ships that builds from a small config: generate() "
+     "tokens against eager, graphs, regions per graph, and what stays on the CPU. Full table: "
+     "`benchmarks/results/architectures.md`."),
+    ("quantize", "quantize", 20,
+     "Calibrated w8a16 and w8a8 regions: cosine and max error against eager float, host "
+     "latency next to float."),
+    ("scaling", "scaling", 20,
+     "Pass manager and partitioner time per node from 1k to 100k nodes, next to torch.fx's "
+     "own tools: linear is the bar."),
+    ("fuzz", "fuzz", 30,
+     "Hypothesis programs, testing-kit graphs and PyTorch's OpInfo samples through the rules "
+     "and the backend against eager, with an fp64 referee for what eager itself gets wrong. "
+     "Full report: `benchmarks/results/fuzz.md`."),
+]
+
+#: one-question probes: the question, answered once; rerun them when what they measure moves
+PROBES = ["bisect_compile", "compile_memory", "decode_region", "forward_split", "gemv",
+          "guard_bound", "guards", "loop_threads", "ort_overhead", "passmanager_scaling",
+          "spinning", "tiering", "wrapper_cost"]
+
+
+def _question(module: str) -> str:
+    doc = importlib.import_module(f"benchmarks.{module}").__doc__ or ""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    return text
+
+
+def _table(stem: str, limit: int) -> str:
+    f = RESULTS / f"{stem}.md"
+    if not f.exists():
+        return f"_No results yet: run the command above (`{f.relative_to(ROOT)}`)._"
+    lines = [ln for ln in f.read_text().strip().splitlines() if not ln.startswith("# ")]
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"\n_({len(lines) - limit} more lines in "
+                                 f"`benchmarks/results/{stem}.md`)_"]
+    return "\n".join(lines)
+
+
+def render() -> str:
+    out = [
+        "# Benchmarks",
+        "",
+        "Every number is measured on this project's machines (2 cores, CPU only), side by side "
+        "in one run (round-robin samples, `benchmarks/harness.py`), as medians; ratios, not "
+        "absolute times, are what carry over. Benchmarks are not tests: nothing here is "
+        "asserted. Each section is the latest run's table, copied from "
+        "`benchmarks/results/<name>.md` by `python -m benchmarks.reference`; history is in git.",
+        "",
+    ]
+    for module, stem, limit, how in SUITE:
+        cmd = f"python -m benchmarks.{module}"
+        out += [f"## {module}", "", _question(module), "", "```bash", cmd, "```", "",
+                _table(stem, limit), "", f"How to read it: {how}", ""]
+    out += ["## Probes", "",
+            "One-question benchmarks, kept for when what they measure moves (each writes "
+            "`benchmarks/results/<name>.md`):", ""]
+    for module in PROBES:
+        out.append(f"- `python -m benchmarks.{module}`: {_question(module)}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    path = ROOT / "docs" / "benchmarks.md"
+    path.write_text(render())
+    print(f"wrote {path} ({len(path.read_text().splitlines())} lines)")
+
+
+if __name__ == "__main__":
+    main()
