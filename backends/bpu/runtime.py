@@ -38,6 +38,19 @@ class RegionFallbackWarning(UserWarning):
 STOP_SPINNING = True
 
 
+def ort_log_level() -> int:
+    """onnxruntime's session log level: ``FXPASS_ORT_LOG_LEVEL`` (0 verbose, 1 info, 2 warning,
+    3 error, 4 fatal), default 3: a clean compile prints nothing; set 2 to see the graph
+    optimizer's notes."""
+    import os
+
+    raw = os.environ.get("FXPASS_ORT_LOG_LEVEL", "3")
+    if raw.strip() not in {"0", "1", "2", "3", "4"}:
+        raise ValueError(f"FXPASS_ORT_LOG_LEVEL={raw!r}: use 0 (verbose) to 4 (fatal); the "
+                         "default, 3, shows errors only")
+    return int(raw)
+
+
 class OrtExecutor:
     kind = "onnxruntime"
 
@@ -78,7 +91,7 @@ class OrtExecutor:
         so = ort.SessionOptions()
         # errors still raise; warnings are the graph optimizer's notes on initializers it
         # folded away ("Removing initializer ..."), four per Qwen3 region, on every compile
-        so.log_severity_level = 3
+        so.log_severity_level = ort_log_level()
         if threads:
             so.intra_op_num_threads = threads
         if STOP_SPINNING:
