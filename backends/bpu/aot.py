@@ -383,21 +383,10 @@ class Program:
 
 
 def threads(fn: Callable[..., Any], n: int | None) -> Callable[..., Any]:
-    """``fn`` with torch's ops on ``n`` threads (``runtime.TorchThreads``' reason)."""
-    if n is None:
-        return fn
+    """``fn`` with torch's ops on ``n`` threads (``runtime.TorchThreads``), or ``fn``."""
+    from fxpass.backends.bpu.runtime import TorchThreads
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        prev = torch.get_num_threads()
-        if prev == n:
-            return fn(*args, **kwargs)
-        torch.set_num_threads(n)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(prev)
-
-    return run
+    return fn if n is None else TorchThreads(fn, n)
 
 
 def export_options(options: dict[str, Any] | None) -> dict[str, Any]:
