@@ -12,7 +12,7 @@ Per contender: the first pass over all inputs (compiles included) and the warm s
 every output equals eager's (rtol = atol = 1e-4). ``fxpass-buckets`` is
 ``compile_for_encoder(buckets={"seq": [32, 64, 96, 128], "batch": [4]})`` (BERT only).
 Memory: resident set size over ``--memory-lengths`` distinct lengths without buckets, sampled
-every 20 calls (the bounded variant cache keeps it flat).
+every 20 calls. Inductor's and fxpass's caches start empty (a temporary directory each).
 """
 
 from __future__ import annotations
@@ -170,6 +170,14 @@ def to_markdown(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import os
+    import tempfile
+
+    # first passes compare compiles: cold caches for both compilers, or a previous run's
+    # inductor FX-graph cache and fxpass plan cache would make them warm
+    cold = tempfile.mkdtemp(prefix="fxpass-shapes-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cold, "inductor")
+    os.environ["FXPASS_CACHE_DIR"] = os.path.join(cold, "fxpass")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bert only, no memory run")
     ap.add_argument("--memory-lengths", type=int, default=200)
