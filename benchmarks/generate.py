@@ -169,7 +169,7 @@ class LinearsOnly:
     multiplied once by a one-row input, in torch (MKL), as many tokens as the generate it is
     timed beside. Every fp32 decode step does these products (it reads every weight once), so
     its ms/token shows how much of a contender's step is left to win, side by side with them
-    (onnxruntime's GEMV is ~0.9x torch's alone, ``benchmarks.gemv``)."""
+    (onnxruntime's GEMV is ~0.9x torch's alone, ``benchmarks.probes.gemv``)."""
 
     def __init__(self, model: torch.nn.Module):
         mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -265,7 +265,7 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     Python; ``dynamo_aot_hf_ms`` is everything outside the backend (guards, AOT wrappers, HF's
     generation loop). fxpass's own share is ``region_wrapper_ms + weight_guard_ms`` plus
     ``compile_for_generate``'s forward wrapper, which sits in ``forward_side`` (measured on
-    its own by ``benchmarks.wrapper_cost``).
+    its own by ``benchmarks.probes.wrapper_cost``).
     ``forward_side_*_ms`` is the part of the replayed Dynamo/AOT/HF time inside the model's
     forward call (Dynamo's guards and frame, AOTAutograd, ``compile_for_generate``'s wrapper);
     the rest of it is HF's loop.

@@ -98,10 +98,11 @@ def render() -> str:
         out += [f"## {module}", "", _question(module), "", "```bash", cmd, "```", "",
                 _table(stem, limit), "", f"How to read it: {how}", ""]
     out += ["## Probes", "",
-            "One-question benchmarks, kept for when what they measure moves (each writes "
-            "`benchmarks/results/<name>.md`):", ""]
+            "One-question benchmarks in `benchmarks/probes/`, kept for when what they measure "
+            "moves (each writes `benchmarks/probes/results/<name>.md`):", ""]
     for module in PROBES:
-        out.append(f"- `python -m benchmarks.{module}`: {_question(module)}")
+        name = f"probes.{module}"
+        out.append(f"- `python -m benchmarks.{name}`: {_question(name)}")
     return "\n".join(out) + "\n"
 
 

@@ -1,6 +1,6 @@
 """The fuzz benchmark's referees accept only what eager itself cannot decide.
 
-``benchmarks.fuzz_referee`` sets differences apart when eager's answer depends on summation
+``benchmarks.fuzz.referee`` sets differences apart when eager's answer depends on summation
 order (an overflowing sum) or moves with a one-ULP change of the inputs. Each test pairs a
 case the referee must accept with the nearest case it must refuse: a wrong answer on a huge
 value that sums nothing, or a wrong ``cos`` of a well-conditioned argument.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.fuzz_check import equals_either, flat
-from benchmarks.fuzz_programs import Program, Step, run
-from benchmarks.fuzz_referee import (
+from benchmarks.fuzz.check import equals_either, flat
+from benchmarks.fuzz.programs import Program, Step, run
+from benchmarks.fuzz.referee import (
     explain,
     graph_overflowing_outputs,
     overflowing_outputs,

@@ -46,7 +46,7 @@ from fxpass.rewriter import RuleError
 log = logging.getLogger("fxpass.bpu")
 
 #: Board: the original pull request measured ~0.8 ms per BPU submission; 100M MACs keeps a
-#: region well above that. Host: ``python -m benchmarks.ort_overhead`` measured 4.4 us per
+#: region well above that. Host: ``python -m benchmarks.probes.ort_overhead`` measured 4.4 us per
 #: onnxruntime call and 113 GMAC/s on this 2-core machine: break-even ~0.5M MACs.
 DEFAULT_MIN_MACS = {"hbdnn": 100_000_000, "onnxruntime": 500_000}
 #: Rebuilds after the weights of one instance changed (written in place, or a few replaced);

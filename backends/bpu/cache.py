@@ -175,7 +175,7 @@ class ArtifactCache:
         """:meth:`get`, verified by streaming the file: (path, size), never the bytes.
 
         For artifacts the consumer reads from disk itself (onnxruntime loads a model path with
-        one copy fewer than from bytes; ``benchmarks.compile_memory`` measured the compile's
+        one copy fewer than from bytes; ``benchmarks.probes.compile_memory`` measured the compile's
         peak at 2.34x the weights against 3.04x before). Entries are replaced only atomically
         (``os.replace`` of a complete file), so the file the consumer opens is this verified
         one or a complete newer one for the key.

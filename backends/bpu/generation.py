@@ -188,7 +188,7 @@ class _GenerateState(threading.local):
     processors). Over a real vocabulary (151,936 words) those ops are parallel, and torch's
     OpenMP workers then spin for milliseconds on the cores the next step's onnxruntime region
     needs. Qwen3 4x512 with that vocabulary: 20.2 ms per token, 13.6 with torch on one thread
-    (``benchmarks.loop_threads``). ``caller`` is the caller's count while a ``generate()``
+    (``benchmarks.probes.loop_threads``). ``caller`` is the caller's count while a ``generate()``
     call is running, else None: forward calls outside ``generate()`` change nothing."""
 
     def __init__(self, threads: int | None):
@@ -259,7 +259,7 @@ def _step_counters_symbolic(
     the calls that can need it rather than for the whole process: other compiles keep their
     own setting. Only a cache that counts tokens in a Python int (:func:`_counts_in_python`,
     decided once per cache object, so once per ``generate()``) needs it; for the others the
-    config stays untouched: torch's config module is Python code. ``benchmarks.wrapper_cost``
+    config stays untouched: torch's config module is Python code. ``benchmarks.probes.wrapper_cost``
     put writing it every step at 0.19 ms per token on cold caches once (2026-12-03 11:47) and
     within noise in three re-runs; the shipped wrapper measured -0.04 to +0.07 ms against a
     plain compiled forward over the four. Named and documented as

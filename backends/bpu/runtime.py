@@ -33,7 +33,7 @@ class RegionFallbackWarning(UserWarning):
 #: and the other regions. A pool left spinning holds a core of this 2-core host: a
 #: mixture-of-experts forward with 5 regions per graph took 188 ms with onnxruntime's default
 #: against 18.8 ms with this (eager: 17.4 ms), and a decode step 10.0 against 8.5 ms
-#: (``python -m benchmarks.spinning``). Within a run the threads still spin between
+#: (``python -m benchmarks.probes.spinning``). Within a run the threads still spin between
 #: operators, so one region alone runs as before. Only that benchmark sets it to False.
 STOP_SPINNING = True
 
@@ -79,7 +79,7 @@ class OrtExecutor:
         prepacks from them, so a prepacked session holds its packed copy and nothing else:
         read from the file, each weight's pages sat beside its packed copy while it was
         packed (Qwen3 4 x 1024, 128 tokens: compile peak 1.32x -> 1.13x the weights,
-        ``benchmarks.compile_memory``).
+        ``benchmarks.probes.compile_memory``).
 
         ``optimized_weights``: with ``optimized_path``, the file name (beside it) that takes
         the optimized model's weights as external data, prepacked GEMM weights included. A
@@ -143,14 +143,14 @@ class TieredExecutor:
     Why: onnxruntime prepacks every GEMM weight when a session opens (a copy in its kernels'
     layout; 0.3 s for the 283 MB of a Qwen3 4 x 1024 prefill region, warm or cold), and the
     prepacked GEMMs are what make a region with more than one row fast (1.78x at 8 rows, 1.41x
-    at 32, 1.10x at 128: ``python -m benchmarks.tiering``). A session that reads the weights in
-    place (``host.shared_weights``, prepacking off) opens at once and gives the same answers,
-    so the caller waits for neither the prepacking nor the cache write; the first calls run a
-    little slower, then the prepacked session takes over (JIT-style tiering).
+    at 32, 1.10x at 128: ``python -m benchmarks.probes.tiering``). A session that reads the
+    weights in place (``host.shared_weights``, prepacking off) opens at once and gives the same
+    answers, so the caller waits for neither the prepacking nor the cache write; the first calls
+    run a little slower, then the prepacked session takes over (JIT-style tiering).
 
     The build starts when the first call has returned (that call gets the cores, and its
     buffers are freed before the prepacking allocates; the compile's peak is the untiered
-    path's, 1.13x the weights at 128 tokens, ``benchmarks.compile_memory --untiered``),
+    path's, 1.13x the weights at 128 tokens, ``benchmarks.probes.compile_memory --untiered``),
     on one shared worker thread (one build at a time: a 2-core host also
     runs the model), which the interpreter joins at exit, so a short-lived process still
     stores its cache entry. If the build fails, the first tier keeps running (same results,
@@ -218,7 +218,7 @@ def _trimmed(build: Callable[[], Any]) -> Any:
     """``build()`` after handing the heap's free memory back to the OS. Why: the build runs on
     another thread, so glibc gives its allocations another malloc arena, and what the first
     call freed in the caller's arena would stay resident beside them (scratch runs of
-    ``benchmarks.compile_memory --tokens 128``: peak 1.35x -> 1.32x the weights in fp32,
+    ``benchmarks.probes.compile_memory --tokens 128``: peak 1.35x -> 1.32x the weights in fp32,
     3.14x -> 2.76x in bf16)."""
     _malloc_trim()
     return build()
@@ -317,7 +317,7 @@ class TorchThreads:
     Why: after every parallel torch op, torch's OpenMP workers keep spinning for milliseconds
     (libgomp's default wait policy), and onnxruntime's workers run on the same cores, so a
     host region started right after one ran a core short. Qwen3 4 x 1024, 128 tokens
-    (``benchmarks.forward_split``, 2026-12-03): 69.5 ms per call against 79.0 with the
+    (``benchmarks.probes.forward_split``, 2026-12-03): 69.5 ms per call against 79.0 with the
     embedding in front of the region on torch's 2 threads. The backend uses
     this only for graphs whose torch ops are light (an embedding, index arithmetic), which lose
     nothing on one thread. ``torch.set_num_threads`` is a few hundred ns each way."""

@@ -253,7 +253,7 @@ def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
     """A mixture-of-experts forward is several regions with torch's routing between them.
     onnxruntime's pool threads must stop spinning after each run (``force_spinning_stop``):
     left spinning they made this graph about 11x slower than eager on 2 cores
-    (`benchmarks.spinning`).
+    (`benchmarks.probes.spinning`).
     Checked on every session the compile makes, cold and from a plan hit."""
     from fxpass.backends.bpu import runtime
 

@@ -385,7 +385,7 @@ class _ThreadSpy:
 @pytest.mark.parametrize("loop_threads", [1, None])
 def test_hf_loop_between_steps_runs_on_loop_threads(opts, loop_threads):
     """Over a real vocabulary HF's per-step logits ops are parallel, and torch's OpenMP workers
-    then spin into the next step's region (benchmarks.loop_threads)."""
+    then spin into the next step's region (benchmarks.probes.loop_threads)."""
     from transformers import LogitsProcessorList
 
     model, ids = _model("qwen3")

@@ -386,7 +386,7 @@ def test_prepacked_session_takes_its_weights_from_the_parameters(tmp_path, monke
     instead of its weights file, cold and on a hit: onnxruntime packs from them and holds the
     packed copy only. Read from the file, each weight's pages sat beside its packed copy while
     it was packed (Qwen3 4 x 1024 at 128 tokens: compile peak 1.32x -> 1.13x the weights,
-    ``benchmarks.compile_memory``)."""
+    ``benchmarks.probes.compile_memory``)."""
     monkeypatch.setattr(compile_mod, "saves_prepacked", lambda proto: False)
     m, x = _model(), torch.randn(16, 64)
     c, out = _compile(m, x, tmp_path, monkeypatch)

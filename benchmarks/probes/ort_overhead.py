@@ -5,7 +5,7 @@ worth a session call when its MACs take longer than the call overhead, i.e. MACs
 overhead_seconds * MACs_per_second. (The board default, 100M MACs, comes from the original
 pull request's 0.8 ms per BPU submission.)
 
-    python -m benchmarks.ort_overhead
+    python -m benchmarks.probes.ort_overhead
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """onnxruntime's pool spinning after a run, A/B: what ``runtime.STOP_SPINNING`` buys.
 
-    python -m benchmarks.spinning [--rounds 3] [--out benchmarks/results]
+    python -m benchmarks.probes.spinning [--rounds 3] [--out benchmarks/results]
 
 Session options cannot change inside a process once its sessions exist, so each sample is a
 fresh process: ``stop`` (fxpass's default: ``session.force_spinning_stop=1``) and ``spin``
@@ -12,7 +12,7 @@ medians over the processes.
 Cases: a mixture-of-experts forward (Qwen3-MoE 4 x 512, 8 experts, 64 tokens: the routing runs
 on the CPU between the regions), single-region forwards (Qwen3 4 x 1024 at 1 and 128 tokens)
 and ``generate()`` decode (Qwen3 4 x 512, static cache, ms per token over 32 new tokens).
-Writes ``benchmarks/results/spinning.{json,md}``.
+Writes ``benchmarks/probes/results/spinning.{json,md}``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARK = "FXPASS_SPINNING "
 CASES = {
     "qwen3-moe-4x512 t=64": ("qwen3-moe", dict(layers=4, hidden=512, heads=8, kv_heads=4,
@@ -88,8 +88,8 @@ def child(case: str, variant: str, cache: str) -> None:
 
 
 def _spawn(case: str, variant: str, cache: str) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "benchmarks.spinning", "--child", case, variant,
-                        cache], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.probes.spinning", "--child", case,
+                        variant, cache], capture_output=True, text=True, cwd=ROOT, timeout=900)
     for line in p.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", nargs=3, metavar=("CASE", "VARIANT", "CACHE"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", action="append", choices=list(CASES))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "probes" / "results"))
     ap.add_argument("--tag", default="", help="results go to spinning-TAG.{json,md}")
     a = ap.parse_args(argv)
     if a.child:

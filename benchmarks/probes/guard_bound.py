@@ -1,11 +1,11 @@
 """The most any guard policy can buy a decode step: Dynamo's guards checked, or not at all.
 
-    python -m benchmarks.guard_bound [--model qwen3-4x512] [--new-tokens 32] [--repeats 9]
+    python -m benchmarks.probes.guard_bound [--model qwen3-4x512] [--new-tokens 32] [--repeats 9]
 
-Why this exists: ``benchmarks.guards`` times the decode graph's guard check alone (0.5-0.65 ms
-on cold caches) but could not resolve what that is worth per token of a whole ``generate()``,
-because each guard policy needs its own process. This bounds it from above in one process:
-the same compiled model (``compile_for_generate``), called plainly and under
+Why this exists: ``benchmarks.probes.guards`` times the decode graph's guard check alone
+(0.5-0.65 ms on cold caches) but could not resolve what that is worth per token of a whole
+``generate()``, because each guard policy needs its own process. This bounds it from above in one
+process: the same compiled model (``compile_for_generate``), called plainly and under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, which runs only the guards that
 tell its compiled graphs apart (prefill from decode) and no other. No guard policy can check
 less, so no policy can gain more than the gap measured here. It is torch's *unsafe* mode

@@ -14,8 +14,8 @@ temporary ``git worktree`` put first on ``PYTHONPATH`` (the working tree is not 
 "before" and "after" come from one run, side by side. ``--untiered`` adds the current code
 with ``tiered=False`` (host regions build their prepacked session before the first call).
 
-    python -m benchmarks.compile_memory [--model qwen3-4l-1024] [--dtypes fp32 bf16]
-        [--baseline-rev 5716ab2] [--repeat 1] [--out benchmarks/results/compile_memory.json]
+    python -m benchmarks.probes.compile_memory [--model qwen3-4l-1024] [--dtypes fp32 bf16]
+        [--baseline-rev 5716ab2] [--repeat 1] [--out benchmarks/probes/results/compile_memory.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARK = "FXPASS_COMPILE_MEMORY "
 DTYPES = ("fp32", "bf16")
 

@@ -3,7 +3,7 @@
 Prints microseconds per node (median of repeats, fresh graph each time) and the rewrite
 count, so linearity can be read off the table. Bar: <= 5 us per node at 100k nodes.
 
-    python -m benchmarks.passmanager_scaling [--sizes 1000,10000,100000] [--repeats 3]
+    python -m benchmarks.probes.passmanager_scaling [--sizes 1000,10000,100000] [--repeats 3]
 """
 
 from __future__ import annotations

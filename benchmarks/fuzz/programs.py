@@ -167,7 +167,7 @@ OPS = {**SUPPORTED, **CPU, **TERMINAL}
 #: The terms each summing op adds up, summed over the last dim of what the function returns
 #: (float64 in, float64 out). If the positive terms, or the negative ones, add up past the
 #: dtype's maximum, *some* summation order overflows: which results are then finite depends on
-#: the kernel's order (eager's, onnxruntime's, the BPU's). ``fuzz_referee`` reads this.
+#: the kernel's order (eager's, onnxruntime's, the BPU's). ``benchmarks.fuzz.referee`` reads this.
 SUM_TERMS: dict[str, Callable[[list, Any, list], torch.Tensor]] = {
     "mm": lambda a, p, w: (a[0].unsqueeze(-1) * w[p]).transpose(-1, -2),
     "mm_vec": lambda a, p, w: a[0] * w[p],

@@ -4,7 +4,7 @@ Rules path: the program traced to an aten graph (``make_fx`` on fake tensors, so
 has ``meta['val']``), all built-in rules run to fixpoint with contract checks on, the result
 run on the real inputs. Backend path: ``torch.compile(module, backend="fxpass_bpu",
 options={"min_compute_macs": 0})`` with the weights as frozen parameters. Both are compared
-with the eager program on the same inputs (:mod:`benchmarks.fuzz_check`).
+with the eager program on the same inputs (:mod:`benchmarks.fuzz.check`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.fuzz_check import compare, equals_either
-from benchmarks.fuzz_programs import Program, ProgramModule, materialize, run
-from benchmarks.fuzz_referee import explain
+from benchmarks.fuzz.check import compare, equals_either
+from benchmarks.fuzz.programs import Program, ProgramModule, materialize, run
+from benchmarks.fuzz.referee import explain
 
 #: Findings kept in full per category (the counts are always complete).
 KEEP = 50
@@ -36,7 +36,7 @@ class Tally:
     backend_crash: int = 0
     precision: int = 0  # passed only by the fp64 referee
     eager_inconsistent: int = 0  # eager's own kernels disagree on this value (see below)
-    overflow_order: int = 0  # eager's answer depends on summation order (fuzz_referee)
+    overflow_order: int = 0  # eager's answer depends on summation order (benchmarks.fuzz.referee)
     ill_conditioned: int = 0  # eager's answer moves when the inputs move one ULP
     graphs_with_regions: int = 0
     regions: int = 0
@@ -114,7 +114,7 @@ def judge(expected: Any, got: Any, ref: Any, prog: Program | None, inputs: list,
 def undetermined(case: Program | torch.fx.GraphModule, inputs: list, weights: list,
                  expected: Any, got: Any, ref: Any, t: Tally, msg: str) -> str | None:
     """``msg``, or None when eager's own answer is not determined where fxpass differs
-    (:mod:`benchmarks.fuzz_referee`): counted apart and noted, not as a mismatch."""
+    (:mod:`benchmarks.fuzz.referee`): counted apart and noted, not as a mismatch."""
     why = explain(case, inputs, weights, expected, got, ref)
     if why is None:
         return msg
@@ -205,7 +205,8 @@ def backend_path(fn: torch.nn.Module, inputs: list, expected: Any, ref: Any, cas
     prog = case if isinstance(case, Program) else None
     msg = judge(expected, got, ref, prog, inputs, weights or [], t)
     if msg and control is not None and equals_either(expected, control, got, ref):
-        t.eager_inconsistent += 1  # equals PyTorch's other kernel for the op (see fuzz_kit)
+        # equals PyTorch's other kernel for the op (see benchmarks.fuzz.kit)
+        t.eager_inconsistent += 1
         t.note("sdpa_kernels_disagree", case, msg)
         msg = None
     if msg and graph is not None:

@@ -1,6 +1,6 @@
 """The fxpass_bpu decode region of ``generate()``, alone and in place.
 
-    python -m benchmarks.decode_region [--model qwen3-4x512] [--repeats 7]
+    python -m benchmarks.probes.decode_region [--model qwen3-4x512] [--repeats 7]
 
 Qwen3 4x512 (``benchmarks.generate``'s model), static cache, fxpass_bpu with the artifact cache
 off. The decode region's model and one step's inputs are captured from a real ``generate()``.
@@ -25,7 +25,7 @@ off. The decode region's model and one step's inputs are captured from a real ``
    a parallel torch op (a 512x512 matmul), and inside ``generate()`` (wrapped executor, median
    over the decode steps).
 
-Writes ``benchmarks/results/decode_region.{json,md}``.
+Writes ``benchmarks/probes/results/decode_region.{json,md}``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from benchmarks import harness
 from benchmarks.generate import MODELS, PROMPT, _build, _hf_generate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _capture(
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-4x512", choices=list(MODELS))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "probes" / "results"))
     args = ap.parse_args(argv)
     print(f"[decode_region] {args.model} ...", file=sys.stderr, flush=True)
     result = {"env": harness.environment(), **measure(args.model, args.repeats)}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 
 def fuzz_programs(n: int, seed: int, backend: bool = True, progress: int = 100,
@@ -35,8 +35,8 @@ def fuzz_programs(n: int, seed: int, backend: bool = True, progress: int = 100,
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
-    from benchmarks.fuzz_programs import programs
-    from benchmarks.fuzz_run import Tally, run_program
+    from benchmarks.fuzz.programs import programs
+    from benchmarks.fuzz.run import Tally, run_program
     from fxpass.rules import ALL
 
     t = Tally()
@@ -72,8 +72,8 @@ def fuzz_kit(n: int, seed: int, progress: int = 100, checkpoint: Path | None = N
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
-    from benchmarks.fuzz_kit import kit_cases, run_graph
-    from benchmarks.fuzz_run import Tally
+    from benchmarks.fuzz.kit import kit_cases, run_graph
+    from benchmarks.fuzz.run import Tally
     from fxpass.rules import ALL
 
     t = Tally()
@@ -120,7 +120,7 @@ def _merge(parts: list[dict]) -> dict:
 
 
 def write(result: dict, quick: bool) -> None:
-    from benchmarks.fuzz_report import markdown
+    from benchmarks.fuzz.report import markdown
 
     RESULTS.mkdir(exist_ok=True)
     stem = "fuzz-quick" if quick else "fuzz"
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         ck = parts / f"kit-{k}of{n}.partial"
         result["kit"] = fuzz_kit(n_kit // n, a.seed + 100 + k, checkpoint=ck)
     if a.part in ("opinfo", "all") and samples:
-        from benchmarks.fuzz_opinfo import sweep
+        from benchmarks.fuzz.opinfo import sweep
 
         print(f"opinfo: up to {samples} samples per op (shard {a.shard})", flush=True)
         parts.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,3 @@ def _header(quick: bool, parts: list[str]) -> dict:
         "onnxruntime": onnxruntime.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
     }
-
-
-if __name__ == "__main__":
-    main()

@@ -61,7 +61,8 @@ def markdown(r: dict[str, Any]) -> str:
               for f in findings[:40]] or ["none"]
     undetermined = [f for f in every if f["kind"] in apart]
     if undetermined:
-        lines += ["", "## Eager's answer not determined (counted apart, see fuzz_referee)", ""]
+        lines += ["", "## Eager's answer not determined (counted apart, see "
+                  "benchmarks.fuzz.referee)", ""]
         lines += [f"- **{f['kind']}** `{f['case'][:300]}`: {_cause(f['message'])}"
                   for f in undetermined[:40]]
     return "\n".join(lines) + "\n"

@@ -8,9 +8,9 @@ so every commit compiles the same model even where the zoo moved. Samples are ta
 over the commits (commit A, B, C, A, B, C, ...) so that load on a shared machine hits all of them
 alike; the medians are printed as a table and written as JSON.
 
-    python -m benchmarks.bisect_compile                          # the default candidate commits
-    python -m benchmarks.bisect_compile --repeats 5 bf78e4b HEAD  # any commits
-    python -m benchmarks.bisect_compile --bisect GOOD BAD         # git-bisect style, by midpoints
+    python -m benchmarks.probes.bisect_compile                        # default candidates
+    python -m benchmarks.probes.bisect_compile --repeats 5 bf78e4b HEAD  # any commits
+    python -m benchmarks.probes.bisect_compile --bisect GOOD BAD         # by midpoints
 
 Per sample it records the wall time of ``torch.compile`` + first call, the backend's own
 ``compile_seconds`` (from the compile reports), which excludes Dynamo and AOTAutograd, and the
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKTREES = Path(tempfile.gettempdir()) / "fxpass-bisect"
 #: 11-30 15:32 and 16:36 runs (the reported 7.3 -> 11.4 s), then the commits of the round after
 #: that touched the backend, the rules or the core (host fusions, cse, cache checks, ...).
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--bisect", nargs=2, metavar=("GOOD", "BAD"))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bisect_compile.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "probes" / "results"
+                                         / "bisect_compile.json"))
     a = ap.parse_args(argv)
     if a.bisect:
         res = bisect(*a.bisect, a.repeats, a.model, a.tokens, a.dtype)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from benchmarks.fuzz_check import compare
+from benchmarks.fuzz.check import compare
 
 #: Prefixes of ops whose result is random or uninitialized memory (no two runs agree).
 RANDOM = ("bernoulli", "normal", "uniform", "rand", "randn", "randint", "multinomial",

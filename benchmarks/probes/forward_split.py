@@ -1,6 +1,7 @@
 """Where a fxpass_bpu forward's time goes, next to whole-model onnxruntime.
 
-    python -m benchmarks.forward_split [--model qwen3-4l-1024] [--tokens 1,128] [--repeats 20]
+    python -m benchmarks.probes.forward_split [--model qwen3-4l-1024] [--tokens 1,128] \
+        [--repeats 20]
 
 Why this exists: issue 8 asks the fxpass_bpu forward to reach whole-model onnxruntime, and
 ``benchmarks.models`` measures it 5-16% behind. A whole call cannot say whether the region or
@@ -20,7 +21,7 @@ the host around it is slower. Five contenders, timed side by side in one process
 
 ``fxpass - region - around`` is what running the host code right after the region costs
 beyond running it warm: the caches the region's weights evicted. The outputs are checked
-against eager first. Writes ``benchmarks/results/forward_split.{json,md}``.
+against eager first. Writes ``benchmarks/probes/results/forward_split.{json,md}``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One decode step's matrix-vector products, each alone: onnxruntime's kernels against torch's.
 
-    python -m benchmarks.gemv [--model qwen3-4x512]
+    python -m benchmarks.probes.gemv [--model qwen3-4x512]
 
 Why: a decode step multiplies one row by every weight, so it is memory-bound, and the host
 executor's GEMV kernel sets its floor. ``benchmarks.generate`` showed the fxpass_bpu decode
@@ -18,7 +18,7 @@ For every distinct ``nn.Linear`` shape of ``benchmarks.generate``'s model, side 
 - ``torch linear``: ``torch.nn.functional.linear`` (MKL), what eager and inductor call.
 
 ``per token`` sums each contender over the model's Linear layers (shape x count). Writes
-``benchmarks/results/gemv.{json,md}``.
+``benchmarks/probes/results/gemv.{json,md}``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Two referees for what the fp64 referee (``fuzz_check``) leaves: overflow and conditioning.
+"""Two referees for what the fp64 referee (``benchmarks.fuzz.check``) leaves: overflow and
+conditioning.
 
 Both ask a question about *eager's* answer, not about fxpass's, and both are decided per
 finding by running the program again, never by looking at fxpass's value:
@@ -10,7 +11,7 @@ finding by running the program again, never by looking at fxpass's value:
   on the kernel's order and precision (eager's MKL, onnxruntime's MLAS, the BPU's MAC array),
   so eager's answer is one of several equally valid ones. An output counts here only if it is
   downstream of such a step, found on the exact (float64) run of the program with
-  ``fuzz_programs.SUM_TERMS``. An elementwise op that is simply wrong on a huge value
+  ``benchmarks.fuzz.programs.SUM_TERMS``. An elementwise op that is simply wrong on a huge value
   (``hardswish(3e38)``) does not qualify: its exact result is in range and it sums nothing.
 * **Ill-conditioned.** Eager's own result moves beyond the tolerance when every float input
   moves by one unit in the last place (``nextafter`` up, then down): the answer is not
@@ -30,8 +31,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.fuzz_check import flat, unaccepted
-from benchmarks.fuzz_programs import OPS, SUM_TERMS, Program
+from benchmarks.fuzz.check import flat, unaccepted
+from benchmarks.fuzz.programs import OPS, SUM_TERMS, Program
 
 
 def _f64(t: Any) -> Any:
@@ -91,7 +92,7 @@ def unstable_elements(case: Program | torch.fx.GraphModule, inputs: list, weight
 
 
 def _run(case: Program | torch.fx.GraphModule, inputs: list, weights: list) -> Any:
-    from benchmarks.fuzz_programs import run
+    from benchmarks.fuzz.programs import run
 
     if isinstance(case, Program):
         return run(case, inputs, weights)
@@ -150,7 +151,7 @@ def _all_terms(x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
     return x.reshape(-1)  # conservative: every element could be one of the terms of a sum
 
 
-#: Graph-level counterpart of ``fuzz_programs.SUM_TERMS``: aten op -> the terms it sums.
+#: Graph-level counterpart of ``benchmarks.fuzz.programs.SUM_TERMS``: aten op -> the terms it sums.
 GRAPH_SUM_TERMS: dict[Any, Callable[..., torch.Tensor]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_terms,
     aten._scaled_dot_product_attention_math.default: _sdpa_terms,

@@ -1,6 +1,6 @@
 """What Dynamo's guards cost a decode step of ``generate()`` through fxpass_bpu.
 
-    python -m benchmarks.guards [--model qwen3-4x512] [--modes default,tags,...]
+    python -m benchmarks.probes.guards [--model qwen3-4x512] [--modes default,tags,...]
 
 Why this exists: after the decode region reached its memory floor, the largest single host cost
 left in a step is Dynamo checking the decode graph's guards before it may run it (module
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.guards", "--child", mode]
+            [sys.executable, "-m", "benchmarks.probes.guards", "--child", mode]
             + ["--model", args.model, "--new-tokens", str(args.new_tokens)]
             + ["--rounds", str(args.rounds)],
             check=True,

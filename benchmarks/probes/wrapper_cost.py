@@ -1,6 +1,6 @@
 """What ``compile_for_generate``'s forward wrapper costs a decode step, on cold caches.
 
-    python -m benchmarks.wrapper_cost [--model qwen3-4x512] [--rounds 3]
+    python -m benchmarks.probes.wrapper_cost [--model qwen3-4x512] [--rounds 3]
 
 Why this exists: the wrapper around the compiled forward (HF's sliding-window counters traced
 symbolic, torch's thread count per step) is fxpass's own per-step code, but the step

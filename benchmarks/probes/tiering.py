@@ -1,6 +1,6 @@
 """What onnxruntime's weight prepacking buys a host region at run time, by rows per GEMM.
 
-    python -m benchmarks.tiering [--tokens 1,8,32,128] [--model qwen3]
+    python -m benchmarks.probes.tiering [--tokens 1,8,32,128] [--model qwen3]
 
 Why: a host region that prepacks pays for it when its session opens (a copy of every GEMM
 weight in the kernels' layout: 0.3 s for a Qwen3 4 x 1024 region), which is why a region is
@@ -14,7 +14,7 @@ the same region, 4 x 1024, fp32, side by side (``harness.interleave``, medians):
   every row count by ``host.PREPACK_MAX_ROWS``;
 - ``eager``: the model in torch.
 
-Writes ``benchmarks/results/tiering.{json,md}``.
+Writes ``benchmarks/probes/results/tiering.{json,md}``.
 """
 
 from __future__ import annotations

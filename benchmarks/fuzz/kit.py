@@ -1,6 +1,6 @@
 """The rule-targeted stream: graphs from the testing kit's vocabulary, and traced attention.
 
-The program stream (:mod:`benchmarks.fuzz_programs`) is traced by ``make_fx``, which already
+The program stream (:mod:`benchmarks.fuzz.programs`) is traced by ``make_fx``, which already
 emits canonical overloads, so several rules never see their input there. This stream builds
 graphs out of exactly those inputs: ``mul.Scalar`` and friends (scalar_overloads), the three
 cast spellings, ``alias``/``detach`` (alias_removal), ``full`` (constant_folding),
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from benchmarks.fuzz_check import equals_either
-from benchmarks.fuzz_programs import MODES, make_tensor
-from benchmarks.fuzz_run import Tally, backend_path, judge, undetermined
+from benchmarks.fuzz.check import equals_either
+from benchmarks.fuzz.programs import MODES, make_tensor
+from benchmarks.fuzz.run import Tally, backend_path, judge, undetermined
 from fxpass.testing import VOCAB, T, aten_graphs, traced_graphs
 
 

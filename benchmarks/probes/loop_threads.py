@@ -1,6 +1,6 @@
 """generate() with HF's loop on one torch thread or on the caller's, over a real vocabulary.
 
-    python -m benchmarks.loop_threads [--vocab 151936] [--new-tokens 32] [--repeats 7]
+    python -m benchmarks.probes.loop_threads [--vocab 151936] [--new-tokens 32] [--repeats 7]
 
 Why this exists: between two decode steps HF's loop works on the logits (a float32 copy,
 argmax, the logits processors). Over a real vocabulary (Qwen3's 151,936 words) those ops are
@@ -12,7 +12,7 @@ loop on one thread; ``loop_threads=None`` leaves torch's count. The benchmark mo
 Qwen3 4 x 512 with ``--vocab`` words, fp32, a 32-token prompt, static cache; two copies of the
 same weights compiled both ways, and eager with the static cache, timed side by side
 (``harness.interleave``). Decode ms/token = (t(1 + N) - t(1)) / N from the medians.
-Writes ``benchmarks/results/loop_threads.{json,md}``.
+Writes ``benchmarks/probes/results/loop_threads.{json,md}``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,5 @@
+"""``python -m benchmarks.fuzz``."""
+
+from benchmarks.fuzz import main
+
+main()
