@@ -2,7 +2,7 @@
 ahead of time, ``export(model, args, kwargs).save(path)`` and ``load(path)``."""
 
 from fxpass.backends.bpu.aot import export, export_for_generate
-from fxpass.backends.bpu.calibration import calibrate
+from fxpass.backends.bpu.device.calibration import calibrate
 from fxpass.backends.bpu.generation import compile_for_generate
 from fxpass.backends.bpu.package import load
 from fxpass.backends.bpu.runtime import settle

@@ -30,12 +30,12 @@ from torch.fx import Graph, GraphModule
 from fxpass._capture import SOURCE, aot_backend
 from fxpass.backends.bpu import plan
 from fxpass.backends.bpu.cache import ArtifactCache
-from fxpass.backends.bpu.capability import DEFAULT_MARCH, MARCHES, Capability, march
 from fxpass.backends.bpu.compile import EXECUTORS, compile_region, resolve_executor
-from fxpass.backends.bpu.cost import macs
+from fxpass.backends.bpu.device.capability import DEFAULT_MARCH, MARCHES, Capability, march
+from fxpass.backends.bpu.device.cost import macs
+from fxpass.backends.bpu.device.partition import partition
+from fxpass.backends.bpu.device.region import extract, splice
 from fxpass.backends.bpu.generation import warn_if_growing, warn_if_recompiling
-from fxpass.backends.bpu.partition import partition
-from fxpass.backends.bpu.region import extract, splice
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
 from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning, TorchThreads
 from fxpass.graph import FROZEN, FROZEN_BUFFER, is_static
@@ -201,7 +201,7 @@ def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
     opts.setdefault("freeze_weights", True)
     opts.setdefault("host_fusions", True)
     opts.setdefault("prepack_one_row", True)  # unset and True: one cache key
-    from fxpass.backends.bpu.quantize import QuantizationError, resolve_config
+    from fxpass.backends.bpu.device.quantize import QuantizationError, resolve_config
 
     try:  # a bad quantize value fails here, not per region
         config = resolve_config(opts.get("quantize"))

@@ -29,7 +29,6 @@ from typing import Any
 import onnx
 import torch
 
-from fxpass.backends.bpu import quantize as Q
 from fxpass.backends.bpu.cache import (
     BUILD_PREFIX,
     ArtifactCache,
@@ -37,7 +36,16 @@ from fxpass.backends.bpu.cache import (
     file_checksum,
     region_key,
 )
-from fxpass.backends.bpu.calibration import QuantInfo, QuantizingExecutor
+from fxpass.backends.bpu.device import quantize as Q
+from fxpass.backends.bpu.device.calibration import QuantInfo, QuantizingExecutor
+from fxpass.backends.bpu.device.lowering import (
+    lower_weightless,
+    point_external,
+    write_weights,
+    write_weights_file,
+)
+from fxpass.backends.bpu.device.lowering.driver import Weights
+from fxpass.backends.bpu.device.region import RegionGraph
 from fxpass.backends.bpu.digest import fresh_digest, tensor_digest
 from fxpass.backends.bpu.host import (
     MIN_SHARED_BYTES,
@@ -54,14 +62,6 @@ from fxpass.backends.bpu.host import (
     tier_pays,
 )
 from fxpass.backends.bpu.lower import lower
-from fxpass.backends.bpu.lowering import (
-    lower_weightless,
-    point_external,
-    write_weights,
-    write_weights_file,
-)
-from fxpass.backends.bpu.lowering.driver import Weights
-from fxpass.backends.bpu.region import RegionGraph
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor, TieredExecutor
 
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")

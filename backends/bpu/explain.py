@@ -101,10 +101,10 @@ def explain(
     from fxpass import PassManager, select_rules
     from fxpass import capture_graphs as capture
     from fxpass.backends.bpu.backend import DEFAULT_MIN_MACS
-    from fxpass.backends.bpu.capability import Capability, march
-    from fxpass.backends.bpu.cost import macs
-    from fxpass.backends.bpu.partition import partition
-    from fxpass.backends.bpu.region import extract
+    from fxpass.backends.bpu.device.capability import Capability, march
+    from fxpass.backends.bpu.device.cost import macs
+    from fxpass.backends.bpu.device.partition import partition
+    from fxpass.backends.bpu.device.region import extract
 
     def step(msg: str) -> None:
         if progress:
@@ -171,7 +171,7 @@ def quantize_regions(
 ) -> list[dict[str, Any]]:
     """Compile with ``quantize=config``, calibrate on the example input, and return per region
     where Q/DQ went, what stayed float and the accuracy against the float region."""
-    from fxpass.backends.bpu.calibration import calibrate
+    from fxpass.backends.bpu.device.calibration import calibrate
 
     opts = {
         "quantize": config,

@@ -31,7 +31,7 @@ import threading
 import onnx
 import torch
 
-from fxpass.backends.bpu.lowering.driver import Weights, write_weights
+from fxpass.backends.bpu.device.lowering.driver import Weights, write_weights
 
 # onnxscript's fusion rules are module-level objects whose matchers keep the current match on
 # the instance, so two threads fusing at once corrupt each other's bindings ("check() missing

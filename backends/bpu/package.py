@@ -148,7 +148,7 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
                    say: Callable[[str], None]) -> dict[str, Any]:
     from fxpass.backends.bpu import plan
     from fxpass.backends.bpu.aot import runtime_graph
-    from fxpass.backends.bpu.lowering.driver import point_external
+    from fxpass.backends.bpu.device.lowering.driver import point_external
 
     say(f"writing {name}.pt2")
     torch.export.save(low.program, tmp / f"{name}.pt2")
@@ -282,7 +282,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                 f"{mpath}: made with {tool} {made.get(tool)}, this process has {here[tool]}; "
                 f"a package loads with the {tool} release ({'.'.join(b)}) that made it. Export "
                 "the model again here, or load it where that release is installed")
-    from fxpass.backends.bpu.capability import MARCHES
+    from fxpass.backends.bpu.device.capability import MARCHES
 
     m, ex = manifest.get("march"), manifest.get("executor")
     if m not in MARCHES:

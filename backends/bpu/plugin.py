@@ -39,7 +39,7 @@ def _hidden(raw: str) -> int:
 
 
 def _march(raw: str) -> str:
-    from fxpass.backends.bpu.capability import march
+    from fxpass.backends.bpu.device.capability import march
 
     try:
         march(raw)  # the backend's own check and message
@@ -49,7 +49,7 @@ def _march(raw: str) -> str:
 
 
 def _quantize(raw: str) -> str:
-    from fxpass.backends.bpu.quantize import QuantizationError, resolve_config
+    from fxpass.backends.bpu.device.quantize import QuantizationError, resolve_config
 
     try:
         resolve_config(raw)

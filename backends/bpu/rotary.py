@@ -38,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fxpass.backends.bpu.attention import probe
-from fxpass.backends.bpu.lowering.driver import Weights
+from fxpass.backends.bpu.device.lowering.driver import Weights
 from fxpass.backends.bpu.onnx_match import add_initializer, const_array, producer_of, static_shape
 
 OPSET = 23  # the first opset with RotaryEmbedding

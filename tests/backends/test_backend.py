@@ -661,7 +661,7 @@ def test_as_strided_reads_eager_layout_over_region_outputs(opts):
 
 
 def test_restrided_lays_values_out_in_the_given_strides():
-    from fxpass.backends.bpu.partition import restrided
+    from fxpass.backends.bpu.device.partition import restrided
 
     base = torch.arange(12.0).reshape(3, 4)
     eager = base.t()  # strides (1, 4)

@@ -234,7 +234,7 @@ def test_fxpass_check_reaches_the_backend(monkeypatch):
 
 
 def test_source_digest_covers_subpackages_and_keys_every_region(tmp_path, monkeypatch):
-    """Found by a probe: a fix inside ``backends/bpu/lowering/`` (a subpackage) changed no
+    """Found by a probe: a fix inside ``backends/bpu/device/lowering/`` (a subpackage) changed no
     key, so a warm cache kept loading the old, wrong model. The source digest now walks
     subpackages, and region keys (not only plan keys) include it."""
     pkg = tmp_path / "probe_pkg"

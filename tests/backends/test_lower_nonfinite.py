@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxpass.backends.bpu.capability import DEFAULT_MARCH, Capability, march
+from fxpass.backends.bpu.device.capability import DEFAULT_MARCH, Capability, march
 from fxpass.backends.bpu.lower import LoweringError, can_lower, lower
 from tests.backends.test_lower import trace
 

@@ -363,7 +363,11 @@ def test_small_written_weights_are_packed_large_ones_page_aligned(tmp_path):
     """Found in review: every written weight started at a 64 KiB boundary, so a decode
     entry's file (a few norm weights) was mostly zeros, hashed on every hit. Small weights
     are packed; a large one still starts on a boundary (onnxruntime maps it)."""
-    from fxpass.backends.bpu.lowering.driver import EXTERNAL_ALIGN, Weights, write_weights_file
+    from fxpass.backends.bpu.device.lowering.driver import (
+        EXTERNAL_ALIGN,
+        Weights,
+        write_weights_file,
+    )
 
     arrays = {"a": np.ones(16, np.float32), "b": np.full(3, 2.0, np.float32),
               "big": np.arange(EXTERNAL_ALIGN // 4, dtype=np.float32)}

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from fxpass.backends.bpu.lowering.builder import (
+from fxpass.backends.bpu.device.lowering.builder import (
     _Builder,
     _dtype,
     _getitems,
@@ -22,7 +22,7 @@ from fxpass.backends.bpu.lowering.builder import (
     _shape,
     _val,
 )
-from fxpass.backends.bpu.lowering.emitters import _nan_flags, _nan_where
+from fxpass.backends.bpu.device.lowering.emitters import _nan_flags, _nan_where
 
 aten = torch.ops.aten
 

@@ -11,15 +11,22 @@ Modules, each readable in one sitting:
 * :mod:`.driver`: :func:`lower`.
 """
 
-from fxpass.backends.bpu.lowering.builder import LoweringError
-from fxpass.backends.bpu.lowering.driver import (
+from fxpass.backends.bpu.device.lowering.builder import LoweringError
+from fxpass.backends.bpu.device.lowering.driver import (
     lower,
     lower_weightless,
     point_external,
     write_weights,
     write_weights_file,
 )
-from fxpass.backends.bpu.lowering.table import FAMILIES, LOWERINGS, OPS, Op, Reasons, can_lower
+from fxpass.backends.bpu.device.lowering.table import (
+    FAMILIES,
+    LOWERINGS,
+    OPS,
+    Op,
+    Reasons,
+    can_lower,
+)
 
 __all__ = [
     "FAMILIES",

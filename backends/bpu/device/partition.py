@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from fxpass.backends.bpu.cost import macs
+from fxpass.backends.bpu.device.cost import macs
 
 
 @dataclass

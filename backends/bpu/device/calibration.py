@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import torch
 
-from fxpass.backends.bpu import quantize as Q
+from fxpass.backends.bpu.device import quantize as Q
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
     "fxpass_bpu_calibration", default=None
@@ -202,7 +202,7 @@ def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) 
 
     A batch is a dict (keyword arguments), a tuple/list (positional) or a tensor. All batches
     must share shapes and dtypes (static shapes: one compiled graph per shape), be finite, and
-    there must be at least one. Bad data raises :class:`~fxpass.backends.bpu.quantize.
+    there must be at least one. Bad data raises :class:`~fxpass.backends.bpu.device.quantize.
     QuantizationError`. A region whose quantized artifact fails to build (hbdk4 refuses it,
     say) keeps running its float model with a warning, or raises with ``strict=True``.
     """

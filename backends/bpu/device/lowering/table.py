@@ -3,7 +3,7 @@
 ``OPS`` maps each aten overload to an :class:`Op`: its ONNX emitter, the BPU operator family it
 belongs to (from ``docs/bpu-facts.md``; a march enables families), its argument check, which
 tuple elements ONNX computes, and whether the BPU's reduce-axis limit applies. Adding an op is
-one entry here. The partitioner (through :class:`fxpass.backends.bpu.capability.Capability`)
+one entry here. The partitioner (through :class:`fxpass.backends.bpu.device.capability.Capability`)
 and the lowering (through :func:`can_lower`) both ask :class:`Reasons`, so a node the
 capability accepts is a node the lowering can emit, by construction.
 
@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from fxpass.backends.bpu.lowering import checks as ck
-from fxpass.backends.bpu.lowering import emitters as e
-from fxpass.backends.bpu.lowering import nn
-from fxpass.backends.bpu.lowering.builder import Emitter, _target_name, _val
+from fxpass.backends.bpu.device.lowering import checks as ck
+from fxpass.backends.bpu.device.lowering import emitters as e
+from fxpass.backends.bpu.device.lowering import nn
+from fxpass.backends.bpu.device.lowering.builder import Emitter, _target_name, _val
 from fxpass.graph import FROZEN
 from fxpass.rules.constant_folding import WEIGHT_VIEWS as FOLDING_VIEWS
 
 if TYPE_CHECKING:
-    from fxpass.backends.bpu.capability import March
+    from fxpass.backends.bpu.device.capability import March
 
 aten, prims = torch.ops.aten, torch.ops.prims
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from fxpass.backends.bpu.partition import Region
+from fxpass.backends.bpu.device.partition import Region
 from fxpass.graph import FROZEN, constant_value
 
 

@@ -5,14 +5,14 @@ S600 with ``convert(advice=True)``, plus our reading of the public OpenExplorer 
 tables). It is *data*: a march is a set of operator families and dtypes plus global limits,
 so a correction never touches the partitioner. Which op belongs to which family, how it is
 lowered and which arguments it admits live in one table,
-:data:`fxpass.backends.bpu.lowering.OPS`; the reasons come from one function,
-:class:`fxpass.backends.bpu.lowering.Reasons`, which the lowering asks too. A node the
+:data:`fxpass.backends.bpu.device.lowering.OPS`; the reasons come from one function,
+:class:`fxpass.backends.bpu.device.lowering.Reasons`, which the lowering asks too. A node the
 capability accepts is therefore one the lowering can emit.
 
 Float tensors: the tensor engine computes in int8/int16, and a float conv/matmul handed to
 ``convert`` is placed on the board's CPU (FACTS.md). Float32/float16 are accepted here because
 the compile step quantizes: on the board path a region reaches hbdk4 only as a calibrated Q/DQ
-model (:mod:`fxpass.backends.bpu.quantize`, which holds which ops need integer inputs per
+model (:mod:`fxpass.backends.bpu.device.quantize`, which holds which ops need integer inputs per
 march); on the host, quantization is opt-in.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fxpass.backends.bpu.lowering import FAMILIES, OPS, Reasons
+from fxpass.backends.bpu.device.lowering import FAMILIES, OPS, Reasons
 
 F32, F16, BOOL = torch.float32, torch.float16, torch.bool
 INT = {torch.int8, torch.int16, torch.int32, torch.uint8}

@@ -19,7 +19,7 @@ import torch
 from onnx import helper
 from torch import fx
 
-from fxpass.backends.bpu.lowering.builder import (
+from fxpass.backends.bpu.device.lowering.builder import (
     _ONNX_DTYPE,
     LoweringError,
     _Builder,
@@ -27,7 +27,7 @@ from fxpass.backends.bpu.lowering.builder import (
     _target_name,
     _val,
 )
-from fxpass.backends.bpu.lowering.table import OPS, Reasons
+from fxpass.backends.bpu.device.lowering.table import OPS, Reasons
 from fxpass.graph import bind_args
 from fxpass.rules._util import cast_to
 
@@ -38,7 +38,7 @@ def _fail(node: fx.Node, reason: str) -> LoweringError:
     return LoweringError(
         f"cannot lower node '{node.name}' ({_target_name(node.target)}): {reason}. Keep it out of "
         "the BPU region (can_lower() reports this) or add an entry to OPS in "
-        "backends/bpu/lowering/table.py."
+        "backends/bpu/device/lowering/table.py."
     )
 
 
@@ -213,7 +213,7 @@ def _check_static(model: onnx.ModelProto) -> None:
             if not _is_static(known.get(out)):
                 raise LoweringError(
                     f"ONNX node '{nd.name}' ({nd.op_type}) output '{out}' has no static shape "
-                    "after shape inference; fix its emitter in backends/bpu/lowering/"
+                    "after shape inference; fix its emitter in backends/bpu/device/lowering/"
                 )
 
 
@@ -381,7 +381,7 @@ def lower_weightless(
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
         raise LoweringError(
             f"region '{name}' lowered to an invalid ONNX model ({e}); this is a bug in an "
-            "emitter in backends/bpu/lowering/ — the failing node name is the FX node name"
+            "emitter in backends/bpu/device/lowering/ — the failing node name is the FX node name"
         ) from e
     del model.graph.input[len(inputs) :]
     for k, (dtype, shape, _) in weights.items():  # placeholders: dtype and shape, no data

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from fxpass.backends.bpu.lowering.builder import _DATA_DTYPES, _dtype, _pair, _shape
-from fxpass.backends.bpu.lowering.nn import _pool_attrs
+from fxpass.backends.bpu.device.lowering.builder import _DATA_DTYPES, _dtype, _pair, _shape
+from fxpass.backends.bpu.device.lowering.nn import _pool_attrs
 from fxpass.graph import bind_args
 
 if TYPE_CHECKING:
-    from fxpass.backends.bpu.capability import March
+    from fxpass.backends.bpu.device.capability import March
 
 aten = torch.ops.aten
 

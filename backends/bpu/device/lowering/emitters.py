@@ -16,7 +16,7 @@ import torch
 from onnx import TensorProto
 from torch import fx
 
-from fxpass.backends.bpu.lowering.builder import (
+from fxpass.backends.bpu.device.lowering.builder import (
     _ONNX_DTYPE,
     Emitter,
     _axes,
