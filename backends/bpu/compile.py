@@ -47,7 +47,7 @@ from fxpass.backends.bpu.device.lowering import (
 from fxpass.backends.bpu.device.lowering.driver import Weights
 from fxpass.backends.bpu.device.region import RegionGraph
 from fxpass.backends.bpu.digest import fresh_digest, tensor_digest
-from fxpass.backends.bpu.host import (
+from fxpass.backends.bpu.host.prepare import (
     MIN_SHARED_BYTES,
     cast_weight,
     casts_in_place,

@@ -6,13 +6,13 @@ Qwen3 4x512 (``benchmarks.generate``'s model), static cache, fxpass_bpu with the
 off. The decode region's model and one step's inputs are captured from a real ``generate()``.
 
 1. **Host attention fusion, A/B.** The decode region is compiled twice in one process, with the
-   attention fusion (``backends/bpu/attention.py``) and without it (every other host fusion on
+   attention fusion (``backends/bpu/host/attention.py``) and without it (every other host fusion on
    in both). Reported: ONNX nodes of each (top level, as the session sees them) and the
    region's time on the captured inputs, the two sessions timed side by side
    (``harness.interleave``, medians).
    **Host rotary fusion, A/B.** Compiled once more with the ``pointwise_before_repeat_cat``
    rule off, so the region never sees the half table and keeps the decomposed rotary
-   (``backends/bpu/rotary.py``), timed in the same round-robin. Both fusions also as paired
+   (``backends/bpu/host/rotary.py``), timed in the same round-robin. Both fusions also as paired
    differences (``_paired``: the sessions back to back, order alternating, median of 300).
    **The products alone:** a model of only the region's top-level Gemm nodes over the same
    weights (``_products_only``), in the same round-robin: what the rest of the region costs.
@@ -53,7 +53,7 @@ def _capture(
     """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
     seconds during one more generate of 33 tokens, its ONNX node count, the generate run)."""
     import fxpass.backends.bpu.compile as compile_mod
-    import fxpass.backends.bpu.host as host
+    import fxpass.backends.bpu.host.prepare as host
     from fxpass.backends.bpu import runtime as rt
     from fxpass.backends.bpu import settle
 

@@ -773,7 +773,7 @@ def test_host_fusions_are_safe_from_parallel_region_compiles() -> None:
     import threading
 
     from fxpass.backends.bpu.device.lowering import lower_weightless
-    from fxpass.backends.bpu.host import fuse_for_ort
+    from fxpass.backends.bpu.host.prepare import fuse_for_ort
 
     def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w

@@ -296,7 +296,7 @@ def test_prepacked_weights_are_saved_only_for_the_tested_forms():
     with its prepacked weights (the architecture test caught it); Gemm/MatMul models load."""
     from onnx import TensorProto, helper
 
-    from fxpass.backends.bpu.host import saves_prepacked
+    from fxpass.backends.bpu.host.prepare import saves_prepacked
 
     def model(*nodes):
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])

@@ -15,7 +15,7 @@ import torch
 
 import fxpass
 from fxpass.backends.bpu import compile as compile_mod
-from fxpass.backends.bpu import host
+from fxpass.backends.bpu.host import prepare as host
 from fxpass.backends.bpu.runtime import OrtExecutor, TieredExecutor, _tier_pool, settle
 
 
@@ -285,7 +285,7 @@ def test_a_process_that_exits_right_after_its_first_call_still_stores_the_entry(
     its cache entry (the interpreter joins the tier thread), so the next process hits."""
     script = f"""
 import torch
-from fxpass.backends.bpu import host
+from fxpass.backends.bpu.host import prepare as host
 host.TIER_MIN_BYTES = 64 * 1024
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),

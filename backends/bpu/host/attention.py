@@ -35,7 +35,8 @@ the kernel zeroes a row masked with HF's ``finfo.min`` where eager averages v. T
 expanded to ``[., ., L, S]`` (the kernel does not broadcast those two), and a scale <= 0 or
 k and v repeated differently are not fused (the kernel refuses them).
 
-The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.fuse_for_ort`.
+The board path never calls this: it is part of
+:func:`fxpass.backends.bpu.host.prepare.fuse_for_ort`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from fxpass.backends.bpu.onnx_match import (
+from fxpass.backends.bpu.host.onnx_match import (
     add_initializer,
     const_array,
     producer_of,

@@ -27,7 +27,8 @@ values eager multiplies and adds; it may fuse a multiply-add (1 ulp, checked aga
 match (its value would be lost), a table whose halves are not one value (or, folded, differ
 in a bit), shapes not static.
 
-The board path never calls this: it is part of :func:`fxpass.backends.bpu.host.fuse_for_ort`.
+The board path never calls this: it is part of
+:func:`fxpass.backends.bpu.host.prepare.fuse_for_ort`.
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from fxpass.backends.bpu.attention import probe
 from fxpass.backends.bpu.device.lowering.driver import Weights
-from fxpass.backends.bpu.onnx_match import add_initializer, const_array, producer_of, static_shape
+from fxpass.backends.bpu.host.attention import probe
+from fxpass.backends.bpu.host.onnx_match import (
+    add_initializer,
+    const_array,
+    producer_of,
+    static_shape,
+)
 
 OPSET = 23  # the first opset with RotaryEmbedding
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxpass.backends.bpu.onnx_match import producer_of, static_shape
+from fxpass.backends.bpu.host.onnx_match import producer_of, static_shape
 
 
 def output_views(model: Any) -> int:

@@ -55,9 +55,9 @@ def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
         fuse_skip_rms_normalization,
     )
 
-    from fxpass.backends.bpu.attention import fuse_attention
-    from fxpass.backends.bpu.output_view import output_views
-    from fxpass.backends.bpu.rotary import fuse_rotary
+    from fxpass.backends.bpu.host.attention import fuse_attention
+    from fxpass.backends.bpu.host.output_view import output_views
+    from fxpass.backends.bpu.host.rotary import fuse_rotary
 
     return [
         # first: attention reads its output as q and k
