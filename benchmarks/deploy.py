@@ -153,7 +153,8 @@ def encoders(tmp: Path, repeats: int) -> list[dict]:
     """BERT and a ResNet: export, save, load, against eager."""
     import transformers
 
-    from fxpass.backends.bpu import export, load, zoo
+    from fxpass.backends.bpu import export, load
+    from fxpass.backends.bpu.tools import zoo
 
     cases = []
     bert, kw = zoo.get("bert", layers=4, hidden=256, heads=4, tokens=128)

@@ -52,7 +52,7 @@ MODELS = {
 
 
 def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    from fxpass.backends.bpu import zoo
+    from fxpass.backends.bpu.tools import zoo
 
     family, kw = MODELS[name]
     model, inputs = zoo.get(family, tokens=PROMPT, **kw)

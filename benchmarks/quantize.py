@@ -1,6 +1,6 @@
 """Quantized regions (issue 11): accuracy against eager float, and host latency next to float.
 
-Per model (random weights, no downloads; ``fxpass.backends.bpu.zoo`` at the benchmark sizes of
+Per model (random weights, no downloads; ``fxpass.backends.bpu.tools.zoo`` at the benchmark sizes of
 ``benchmarks.models``): compile with ``options={"quantize": cfg}``, ``calibrate`` on
 ``CALIB`` batches of the model's input distribution, then compare on ``EVAL`` held-out batches
 against eager float:
@@ -93,7 +93,8 @@ def run_model(
     name: str, spec: tuple[str, dict[str, Any]], repeats: int, configs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     import fxpass
-    from fxpass.backends.bpu import calibrate, zoo
+    from fxpass.backends.bpu import calibrate
+    from fxpass.backends.bpu.tools import zoo
 
     family, kw = spec
     base_name = family
@@ -185,7 +186,8 @@ def run_generate(quick: bool) -> dict[str, Any]:
     """
     import copy
 
-    from fxpass.backends.bpu import calibrate, compile_for_generate, zoo
+    from fxpass.backends.bpu import calibrate, compile_for_generate
+    from fxpass.backends.bpu.tools import zoo
 
     family, kw = ("qwen3", {}) if quick else GEN_MODEL
     model, example = zoo.get(family, tokens=GEN_PROMPT, **kw)

@@ -37,7 +37,7 @@ SIZES = [64, 96, 128, 160, 192, 224]
 
 
 def _bert() -> torch.nn.Module:
-    from fxpass.backends.bpu import zoo
+    from fxpass.backends.bpu.tools import zoo
 
     return zoo.get("bert", layers=4, hidden=256, heads=4, tokens=8)[0]
 
@@ -100,7 +100,7 @@ def _contender(name: str, make: Any, inputs: list[dict], refs: list[torch.Tensor
 
 
 def run_case(case: str) -> dict:
-    from fxpass.backends.bpu.encoders import compile_for_encoder
+    from fxpass.backends.bpu.hf.encoders import compile_for_encoder
 
     if case == "bert":
         base, inputs = _bert, [_bert_inputs(i, n) for i, n in enumerate(LENGTHS)]

@@ -35,7 +35,7 @@ from fxpass.backends.bpu.device.capability import DEFAULT_MARCH, MARCHES, Capabi
 from fxpass.backends.bpu.device.cost import macs
 from fxpass.backends.bpu.device.partition import partition
 from fxpass.backends.bpu.device.region import extract, splice
-from fxpass.backends.bpu.generation import warn_if_growing, warn_if_recompiling
+from fxpass.backends.bpu.hf.generation import warn_if_growing, warn_if_recompiling
 from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
 from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning, TorchThreads
 from fxpass.graph import FROZEN, FROZEN_BUFFER, is_static

@@ -39,6 +39,7 @@ from fxpass.backends.bpu.cache import (
 from fxpass.backends.bpu.device import quantize as Q
 from fxpass.backends.bpu.device.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.device.lowering import (
+    lower,
     lower_weightless,
     point_external,
     write_weights,
@@ -61,7 +62,6 @@ from fxpass.backends.bpu.host.prepare import (
     shared_weights,
     tier_pays,
 )
-from fxpass.backends.bpu.lower import lower
 from fxpass.backends.bpu.runtime import HbmExecutor, OrtExecutor, TieredExecutor
 
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")

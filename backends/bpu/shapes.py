@@ -59,7 +59,7 @@ def specializable(gm: GraphModule) -> list[int] | None:
     graph this module specializes: static, with a symbolic int that is no tensor's size, or
     one that returns state grown by concatenation (a dynamic KV cache: every token a new
     shape, so a variant per token; the backend warns with the static-cache fix instead)."""
-    from fxpass.backends.bpu.generation import growing_state
+    from fxpass.backends.bpu.hf.generation import growing_state
 
     if growing_state(gm):
         return None

@@ -44,7 +44,7 @@ CASES = {
 
 def _forward(name: str, kw: dict[str, Any], cache: str) -> dict[str, Any]:
     import fxpass
-    from fxpass.backends.bpu import zoo
+    from fxpass.backends.bpu.tools import zoo
 
     model, kwargs = zoo.get(name, **kw)
     compiled = torch.compile(model, backend="fxpass_bpu", dynamic=False,

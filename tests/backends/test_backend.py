@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu import zoo
 from fxpass.backends.bpu.runtime import RegionFallbackWarning
+from fxpass.backends.bpu.tools import zoo
 
 MODELS = ["qwen3", "llama", "mistral", "gpt2", "bert", "vit"]
 

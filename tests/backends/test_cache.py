@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, time, torch
     # the model only; the backend is found through its entry point
-    import fxpass.backends.bpu.zoo as zoo
+    import fxpass.backends.bpu.tools.zoo as zoo
     model, kw = zoo.get("qwen3", layers=1)
     t = time.perf_counter()
     with torch.no_grad():

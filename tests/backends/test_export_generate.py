@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxpass.backends.bpu import export_for_generate, load, zoo
+from fxpass.backends.bpu import export_for_generate, load
+from fxpass.backends.bpu.tools import zoo
 from tests.backends.test_export import _fresh_process
 
 CACHE, CHUNK = 48, 8

@@ -17,9 +17,9 @@ from fxpass import PassManager, capture, select_rules
 from fxpass.backends.bpu import calibrate
 from fxpass.backends.bpu.device import quantize as Q
 from fxpass.backends.bpu.device.capability import Capability, march
+from fxpass.backends.bpu.device.lowering import lower
 from fxpass.backends.bpu.device.partition import partition
 from fxpass.backends.bpu.device.region import extract
-from fxpass.backends.bpu.lower import lower
 from tests.backends import fake_hbdk4
 from tests.backends.test_backend import SideBranch
 

@@ -1,4 +1,5 @@
-"""fxpass.backends.bpu.lower: every lowering runs in onnxruntime and matches eager PyTorch.
+"""The lowering (fxpass.backends.bpu.device.lowering): every lowering runs in onnxruntime and
+matches eager PyTorch.
 
 Expected values always come from eager PyTorch on the same random inputs, never from the code
 under test; the ONNX side runs in a real ``onnxruntime.InferenceSession``.
@@ -23,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxpass.backends.bpu.lower import LOWERINGS, LoweringError, can_lower, lower
+from fxpass.backends.bpu.device.lowering import LOWERINGS, LoweringError, can_lower, lower
 
 aten = torch.ops.aten
 prims = torch.ops.prims

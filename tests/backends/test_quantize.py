@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu import calibrate, zoo
+from fxpass.backends.bpu import calibrate
 from fxpass.backends.bpu.device import quantize as Q
+from fxpass.backends.bpu.tools import zoo
 from fxpass.cli import main
 
 #: measured on qwen3-tiny, held-out batch: w8a16 0.99994, w8a8 0.99956 (last-token logits)
@@ -258,9 +259,9 @@ def test_host_weight_folding_keeps_the_numbers_of_the_qdq_model():
 
     from fxpass import PassManager, capture, select_rules
     from fxpass.backends.bpu.device.capability import Capability, march
+    from fxpass.backends.bpu.device.lowering import lower
     from fxpass.backends.bpu.device.partition import partition
     from fxpass.backends.bpu.device.region import extract
-    from fxpass.backends.bpu.lower import lower
 
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
     (gm,) = capture(_mlp(), x)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxpass.backends.bpu import calibrate, zoo
+from fxpass.backends.bpu import calibrate
 from fxpass.backends.bpu.runtime import ort_log_level
+from fxpass.backends.bpu.tools import zoo
 
 
 def test_compile_and_calibrate_print_nothing(capfd, opts):

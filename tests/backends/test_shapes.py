@@ -13,8 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxpass.backends.bpu import shapes, zoo
+from fxpass.backends.bpu import shapes
 from fxpass.backends.bpu.backend import STATS
+from fxpass.backends.bpu.tools import zoo
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 

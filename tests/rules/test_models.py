@@ -5,7 +5,7 @@ import torch
 
 from fxpass import PassManager, select_rules
 from fxpass import capture_graphs as capture
-from fxpass.backends.bpu import zoo
+from fxpass.backends.bpu.tools import zoo
 from fxpass.rules._util import CAST
 from fxpass.rules.bf16_promotion import LOOKUPS
 

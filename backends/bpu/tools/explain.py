@@ -5,7 +5,7 @@ share, and every node left on the CPU grouped by reason. ``--json`` for tools, `
 to draw the graph with regions coloured. ``--quantize [CONFIG]`` also compiles the regions,
 calibrates them on the model's example input and shows, per region, where Q/DQ went, what
 stayed float and the accuracy against the float region. MODEL is a built-in name
-(``fxpass.backends.bpu.zoo``: qwen3-tiny, llama, gpt2, bert, vit, ...) or
+(``fxpass.backends.bpu.tools.zoo``: qwen3-tiny, llama, gpt2, bert, vit, ...) or
 ``path/to/file.py:factory`` where ``factory()`` returns ``(model, kwargs)``,
 ``(model, args_tuple)``, or ``(model, args_tuple, kwargs)``.
 """
@@ -59,7 +59,7 @@ def _split(out: Any, where: str) -> tuple[Any, tuple, dict[str, Any]]:
 
 def load_inputs(spec: str) -> tuple[Any, tuple, dict[str, Any]]:
     """``(model, args, kwargs)`` for a built-in name or ``path/to/file.py:factory``."""
-    from fxpass.backends.bpu import zoo
+    from fxpass.backends.bpu.tools import zoo
 
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         path, factory = spec.rsplit(":", 1)

@@ -27,8 +27,8 @@ def _progress(start: float) -> Any:
 
 
 def export_main(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.aot import ExportError, export
-    from fxpass.backends.bpu.explain import load_inputs
+    from fxpass.backends.bpu.aot.export import ExportError, export
+    from fxpass.backends.bpu.tools.explain import load_inputs
 
     say = _progress(time.perf_counter())
     say(f"building {args.model}")
@@ -38,7 +38,7 @@ def export_main(args: argparse.Namespace) -> int:
         options["min_compute_macs"] = args.min_compute_macs
     try:
         if args.generate:
-            from fxpass.backends.bpu.aot import export_for_generate
+            from fxpass.backends.bpu.aot.export import export_for_generate
 
             program = export_for_generate(
                 model, max_cache_len=args.max_cache_len, prefill_length=args.prefill_length,
@@ -61,7 +61,7 @@ def export_main(args: argparse.Namespace) -> int:
 
 
 def generate_main(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.package import PackageError, load
+    from fxpass.backends.bpu.aot.package import PackageError, load
 
     t0 = time.perf_counter()
     try:
@@ -121,7 +121,7 @@ def _random_inputs(specs: list[dict[str, Any]]) -> list[Any]:
 def run_main(args: argparse.Namespace) -> int:
     import torch.utils._pytree as pytree
 
-    from fxpass.backends.bpu.package import PackageError, load
+    from fxpass.backends.bpu.aot.package import PackageError, load
 
     t0 = time.perf_counter()
     try:

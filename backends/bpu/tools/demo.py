@@ -29,7 +29,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _qwen3(args: argparse.Namespace, **kw: object) -> tuple[torch.nn.Module, dict]:
-    from fxpass.backends.bpu import zoo
+    from fxpass.backends.bpu.tools import zoo
 
     heads = max(2, args.hidden // 64)
     return zoo.get(

@@ -175,7 +175,7 @@ class BucketProgram:
         self.programs, self.options, self.meta = programs, options, meta
 
     def save(self, path: str, *, progress: Any = None) -> str:
-        from fxpass.backends.bpu.package import save
+        from fxpass.backends.bpu.aot.package import save
 
         return save(self.programs, self.options, path, extra={"encoder": self.meta},
                     progress=progress)
@@ -193,7 +193,7 @@ def export_for_encoder(
     weight is stored once. ``load(path)`` pads each call to its bucket and slices back, as
     :func:`compile_for_encoder` does; a size past every bucket is refused (a package never
     compiles)."""
-    from fxpass.backends.bpu.aot import export_options, lower
+    from fxpass.backends.bpu.aot.export import export_options, lower
 
     spec = check_buckets(buckets)
     if "seq" not in spec:

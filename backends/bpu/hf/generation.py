@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from fxpass.backends.bpu.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
+from fxpass.backends.bpu.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
 from fxpass.graph import FROZEN
 
 aten = torch.ops.aten

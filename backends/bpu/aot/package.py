@@ -147,7 +147,7 @@ def _versions() -> dict[str, str]:
 def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
                    say: Callable[[str], None]) -> dict[str, Any]:
     from fxpass.backends.bpu import plan
-    from fxpass.backends.bpu.aot import runtime_graph
+    from fxpass.backends.bpu.aot.export import runtime_graph
     from fxpass.backends.bpu.device.lowering.driver import point_external
 
     say(f"writing {name}.pt2")
@@ -316,7 +316,7 @@ class LoadedProgram:
 
     def __init__(self, root: Path, name: str, spec: dict[str, Any], weights: np.memmap,
                  state: dict[str, torch.Tensor]):
-        from fxpass.backends.bpu.aot import bind, threads
+        from fxpass.backends.bpu.aot.export import bind, threads
 
         self.path, self.name, self.spec = root, name, spec
         self.weights = [
@@ -386,7 +386,7 @@ class Package:
 
 def open_package(path: str | os.PathLike) -> Package:
     """Verify package ``path`` and open every program and region in it (no compile)."""
-    from fxpass.backends.bpu.aot import open_region
+    from fxpass.backends.bpu.aot.export import open_region
     from fxpass.backends.bpu.runtime import OrtExecutor, RegionCall
 
     root = Path(path)
@@ -432,11 +432,11 @@ def load(path: str | os.PathLike) -> Any:
     ``export_for_generate`` a runner with ``generate(...)``."""
     pkg = open_package(path)
     if "encoder" in pkg.manifest:
-        from fxpass.backends.bpu.encoders import EncoderRunner
+        from fxpass.backends.bpu.hf.encoders import EncoderRunner
 
         return EncoderRunner(pkg)
     if "generate" in pkg.manifest:
-        from fxpass.backends.bpu.runner import Runner
+        from fxpass.backends.bpu.aot.runner import Runner
 
         return Runner(pkg)
     return pkg

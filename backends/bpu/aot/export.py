@@ -377,7 +377,7 @@ class Program:
 
     def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:
         """Write the package directory ``path`` (see ``package.save``); returns it."""
-        from fxpass.backends.bpu.package import save
+        from fxpass.backends.bpu.aot.package import save
 
         return save({"main": self.lowered}, self.options, path, progress=progress)
 
@@ -444,7 +444,7 @@ class GenerateProgram:
     generate: dict[str, Any]
 
     def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:
-        from fxpass.backends.bpu.package import save
+        from fxpass.backends.bpu.aot.package import save
 
         return save({"prefill": self.prefill, "decode": self.decode}, self.options, path,
                     extra={"generate": self.generate}, progress=progress)
