@@ -466,3 +466,10 @@ def _atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def warn_unloadable(path: os.PathLike, e: Exception) -> None:
+    warnings.warn(
+        f"fxpass: cached artifact {path} does not load ({type(e).__name__}: {e}); rebuilding it",
+        stacklevel=4,
+    )

@@ -282,7 +282,7 @@ def load(
     Any missing, evicted or unreadable part is a miss: the graph compiles cold and the plan is
     written again. Never an error, never a partial plan.
     """
-    from fxpass.backends.bpu.compile import _cached_ort
+    from fxpass.backends.bpu.host.entry import cached_ort
 
     data = cache.get(key, ".plan.json")
     consts = cache.get(key, ".plan.pt") if data is not None else None
@@ -294,7 +294,7 @@ def load(
         loaded = []
         for r in plan["regions"]:
             weights = {c: frozen[p] for c, p in r["sources"].items()}  # plans before: a miss
-            c = _cached_ort(cache, r["key"], r["input_names"], threads, weights, tiered)
+            c = cached_ort(cache, r["key"], r["input_names"], threads, weights, tiered)
             if c is None:
                 return None
             loaded.append((r, c))

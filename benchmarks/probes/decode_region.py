@@ -52,10 +52,10 @@ def _capture(
 ) -> tuple[Any, tuple, list[float], int, Any]:
     """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
     seconds during one more generate of 33 tokens, its ONNX node count, the generate run)."""
-    import fxpass.backends.bpu.compile as compile_mod
+    import fxpass.backends.bpu.host.build as compile_mod
     import fxpass.backends.bpu.host.prepare as host
-    from fxpass.backends.bpu import runtime as rt
     from fxpass.backends.bpu import settle
+    from fxpass.backends.bpu.host import ort as rt
 
     real_passes, real_call, real_fuse = host._passes, rt.OrtExecutor.__call__, host.fuse_for_ort
     counts: list[int] = []
@@ -121,7 +121,7 @@ def _products_only(region: Any, prepack: bool) -> tuple[Any, tuple]:
     import onnx
     from onnx import helper, numpy_helper
 
-    from fxpass.backends.bpu import runtime as rt
+    from fxpass.backends.bpu.host import ort as rt
 
     proto = region.proto
     inits = {i.name: i for i in proto.graph.initializer}
@@ -185,7 +185,7 @@ def _paired(without: Any, with_: Any, pairs: int = 300) -> float:
 
 
 def measure(name: str, repeats: int) -> dict[str, Any]:
-    from fxpass.backends.bpu import runtime as rt
+    from fxpass.backends.bpu.host import ort as rt
 
     fused, args, in_generate, fused_nodes, gen = _capture(name, True)
     plain, plain_args, _, plain_nodes, _ = _capture(name, False)

@@ -1,4 +1,4 @@
-"""onnxruntime's pool spinning after a run, A/B: what ``runtime.STOP_SPINNING`` buys.
+"""onnxruntime's pool spinning after a run, A/B: what ``host.ort.STOP_SPINNING`` buys.
 
     python -m benchmarks.probes.spinning [--rounds 3] [--out benchmarks/results]
 
@@ -79,7 +79,7 @@ def _decode(cache: str) -> dict[str, Any]:
 
 
 def child(case: str, variant: str, cache: str) -> None:
-    from fxpass.backends.bpu import runtime
+    from fxpass.backends.bpu.host import ort as runtime
 
     runtime.STOP_SPINNING = variant == "stop"
     name, kw = CASES[case]

@@ -4,7 +4,7 @@
 
 Why: a host region that prepacks pays for it when its session opens (a copy of every GEMM
 weight in the kernels' layout: 0.3 s for a Qwen3 4 x 1024 region), which is why a region is
-tiered (``runtime.TieredExecutor``: an in-place-weights session answers while the prepacked one
+tiered (``host.ort.TieredExecutor``: an in-place-weights session answers while the prepacked one
 builds) instead of simply not prepacking. This benchmark is the evidence for keeping both tiers:
 the same region, 4 x 1024, fp32, side by side (``harness.interleave``, medians):
 

@@ -141,7 +141,7 @@ def test_guard_keeps_the_fused_branch_on_ordinary_inputs(opts):
     decomposed branch made to fail."""
     import onnx
 
-    from fxpass.backends.bpu import compile as C
+    from fxpass.backends.bpu.host import build as C
 
     seen = []
     real = C.fuse_for_ort

@@ -208,12 +208,13 @@ def test_options_are_validated(opts):
 
 def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
     import fxpass.backends.bpu.compile as comp
+    import fxpass.backends.bpu.host.build as build
 
     def broken(*a, **k):
         raise RuntimeError("injected compile failure")
 
     monkeypatch.setattr(comp, "lower", broken)
-    monkeypatch.setattr(comp, "lower_weightless", broken)  # the host path's lowering
+    monkeypatch.setattr(build, "lower_weightless", broken)  # the host path's lowering
     m = SideBranch().eval()
     x = torch.randn(2, 16)
     with torch.no_grad():
@@ -255,7 +256,7 @@ def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
     left spinning they made this graph about 11x slower than eager on 2 cores
     (`benchmarks.probes.spinning`).
     Checked on every session the compile makes, cold and from a plan hit."""
-    from fxpass.backends.bpu import runtime
+    from fxpass.backends.bpu.host import ort as runtime
 
     made = []
     real_init = runtime.OrtExecutor.__init__

@@ -154,7 +154,7 @@ def test_warm_plan_hit_binds_in_place_weights(rows, tmp_path, monkeypatch):
     version of binding by region attribute passed the plan's placeholder map instead: every
     such region missed its plan (a warm Qwen3 process: 0.35 s instead of 0.25 s), which the
     small-weights MLP above could not show."""
-    from fxpass.backends.bpu import compile as compile_mod
+    from fxpass.backends.bpu.host import build as compile_mod
 
     # a model onnxruntime saves optimized reads its own file, never initializers: keep the
     # entry unoptimized so the hit binds them (as for a region with attention ``If``s)

@@ -20,8 +20,9 @@ import torch
 
 import fxpass
 from fxpass.backends.bpu import cache as cache_mod
-from fxpass.backends.bpu import compile as compile_mod
 from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.backends.bpu.device import board
+from fxpass.backends.bpu.host import build as compile_mod
 from tests.backends import fake_hbdk4
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
@@ -245,12 +246,12 @@ def test_cache_false_on_the_board_path_never_writes_the_user_cache(tmp_path, mon
     fake_hbdk4.install(monkeypatch)
     seen = []
 
-    class Recording(compile_mod.HbmExecutor):
+    class Recording(board.HbmExecutor):
         def __init__(self, hbm_path, input_names):
             super().__init__(hbm_path, input_names)
             seen.append((hbm_path, weakref.ref(self)))
 
-    monkeypatch.setattr(compile_mod, "HbmExecutor", Recording)
+    monkeypatch.setattr(board, "HbmExecutor", Recording)
     m = _mlp(8)
     torch._dynamo.reset()
     with torch.no_grad():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fxpass
+import fxpass.backends.bpu.host.ort as ort
 import fxpass.backends.bpu.runtime as rt
 
 
@@ -121,7 +122,7 @@ def test_a_region_that_failed_runs_its_eager_graph_on_the_callers_threads(
         def broken(self, *tensors):
             raise RuntimeError("injected executor failure")
 
-        for cls in (rt.OrtExecutor, rt.TieredExecutor):
+        for cls in (ort.OrtExecutor, ort.TieredExecutor):
             monkeypatch.setattr(cls, "__call__", broken)
         with pytest.warns(rt.RegionFallbackWarning, match="injected"):
             c(ids)  # fails inside the one-thread call, falls back

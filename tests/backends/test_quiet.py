@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fxpass.backends.bpu import calibrate
-from fxpass.backends.bpu.runtime import ort_log_level
+from fxpass.backends.bpu.host.ort import ort_log_level
 from fxpass.backends.bpu.tools import zoo
 
 

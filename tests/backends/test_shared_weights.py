@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu import compile as compile_mod
+from fxpass.backends.bpu.host import build as compile_mod
+from fxpass.backends.bpu.host import entry as entry_mod
 
 
 class _Recording(compile_mod.OrtExecutor):
@@ -36,6 +37,7 @@ def _compile(m, x, tmp_path, monkeypatch, one_row_in_place=True):
     their weights in place, the form these tests are about (by default they prepack too)."""
     _Recording.made = []
     monkeypatch.setattr(compile_mod, "OrtExecutor", _Recording)
+    monkeypatch.setattr(entry_mod, "OrtExecutor", _Recording)
     torch._dynamo.reset()
     opts = {"min_compute_macs": 0, "cache_dir": str(tmp_path)}
     if one_row_in_place:
@@ -418,7 +420,7 @@ def test_executor_initializers_replace_the_files_data(tmp_path):
     other values), and prepacks it (the run is a Gemm over the given weight)."""
     from onnx import TensorProto, helper
 
-    from fxpass.backends.bpu.runtime import OrtExecutor
+    from fxpass.backends.bpu.host.ort import OrtExecutor
 
     w = torch.randn(32, 16)
     (tmp_path / "w.bin").write_bytes((w * -7).numpy().tobytes())  # not the weight

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu import compile as compile_mod
+from fxpass.backends.bpu.host import build as compile_mod
+from fxpass.backends.bpu.host import entry as entry_mod
 from fxpass.backends.bpu.host import prepare as host
-from fxpass.backends.bpu.runtime import OrtExecutor, TieredExecutor, _tier_pool, settle
+from fxpass.backends.bpu.host.ort import OrtExecutor, TieredExecutor, _tier_pool, settle
 
 
 class _Tiered(TieredExecutor):
@@ -46,6 +47,7 @@ def small_tier(monkeypatch):
     """Tier this test's small model (the default bound is 16 MiB of weights read in place)."""
     monkeypatch.setattr(host, "TIER_MIN_BYTES", 64 * 1024)
     monkeypatch.setattr(compile_mod, "TieredExecutor", _Tiered)
+    monkeypatch.setattr(entry_mod, "TieredExecutor", _Tiered)
     _Tiered.made = []
 
 
@@ -83,13 +85,13 @@ def test_cold_compile_returns_before_the_prepacked_session_exists(
     small_tier, tmp_path, monkeypatch
 ):
     gate = threading.Event()
-    build = compile_mod._build_ort
+    build = compile_mod.build_ort
 
     def held(*a, **k):  # the second tier waits until the first has answered
         assert gate.wait(60)
         return build(*a, **k)
 
-    monkeypatch.setattr(compile_mod, "_build_ort", held)
+    monkeypatch.setattr(compile_mod, "build_ort", held)
     m, x = _model(), torch.randn(16, 64)
     c, out = _compile(m, x, tmp_path)
     with torch.no_grad():
@@ -120,13 +122,13 @@ def test_weight_written_during_the_build_never_reaches_the_cache(
     ``.data`` (no version counter sees it) in between must not be stored under the key of the
     old values: the build checks the weights against the key afterwards and drops the entry."""
     gate = threading.Event()
-    build = compile_mod._build_ort
+    build = compile_mod.build_ort
 
     def held(*a, **k):
         assert gate.wait(60)
         return build(*a, **k)
 
-    monkeypatch.setattr(compile_mod, "_build_ort", held)
+    monkeypatch.setattr(compile_mod, "build_ort", held)
     m, x = _model(), torch.randn(16, 64)
     c, _ = _compile(m, x, tmp_path)
     (tier,) = _Tiered.made
@@ -199,6 +201,7 @@ def test_tiered_false_builds_the_prepacked_session_first(small_tier, tmp_path):
 def test_small_weights_are_not_tiered(tmp_path, monkeypatch):
     """Below 16 MiB read in place, a second session would save the caller too little."""
     monkeypatch.setattr(compile_mod, "TieredExecutor", _Tiered)
+    monkeypatch.setattr(entry_mod, "TieredExecutor", _Tiered)
     _Tiered.made = []
     m, x = _model(), torch.randn(16, 64)
     _, out = _compile(m, x, tmp_path)

@@ -387,7 +387,8 @@ class Package:
 def open_package(path: str | os.PathLike) -> Package:
     """Verify package ``path`` and open every program and region in it (no compile)."""
     from fxpass.backends.bpu.aot.export import open_region
-    from fxpass.backends.bpu.runtime import OrtExecutor, RegionCall
+    from fxpass.backends.bpu.host.ort import OrtExecutor
+    from fxpass.backends.bpu.runtime import RegionCall
 
     root = Path(path)
     manifest = read_manifest(root)

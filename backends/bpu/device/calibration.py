@@ -20,6 +20,7 @@ Calling ``calibrate`` again recalibrates (recording always runs the float region
 from __future__ import annotations
 
 import contextvars
+import json
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +31,7 @@ import numpy as np
 import onnx
 import torch
 
+from fxpass.backends.bpu.cache import ArtifactCache
 from fxpass.backends.bpu.device import quantize as Q
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
@@ -242,3 +244,13 @@ def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) 
             )
             infos.append(ex.info)
     return infos
+
+
+def cached_summary(cache: ArtifactCache | None, key: str) -> dict | None:
+    """A quantized region's stored summary (``.quant.json``), or None."""
+    raw = cache.get(key, ".quant.json") if cache is not None else None
+    try:
+        s = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return s if isinstance(s, dict) else None

@@ -109,7 +109,7 @@ def declared_weights(proto: onnx.ModelProto, weights: Weights) -> Weights:
     ``weights``: written back, it would come back as an unused initializer (bytes in the
     model and the cache file); fed in place (``shared_weights``), it would be a feed the
     model has no input for, and the session would refuse it. A new mapping, not an edit:
-    the weights file may still be being written from the old one (``compile._build_ort``)."""
+    the weights file may still be being written from the old one (``host.build.build_ort``)."""
     names: set[str] = set()
     graphs = [proto.graph]
     while graphs:
@@ -129,7 +129,7 @@ def declared_weights(proto: onnx.ModelProto, weights: Weights) -> Weights:
 #: Smaller weights are written into the model: sharing them saves nothing worth a feed.
 MIN_SHARED_BYTES = 64 * 1024
 #: Up to this many rows (tokens) per Gemm/MatMul a region reads its weights in place instead
-#: of prepacking them. 0: every region prepacks (tiered, ``runtime.TieredExecutor``), a decode
+#: of prepacking them. 0: every region prepacks (tiered, ``host.ort.TieredExecutor``), a decode
 #: step's one row included: with onnxruntime's prepacked GEMV a Qwen3 4 x 1024 1-token forward
 #: was 1.12x faster and a Qwen3 4 x 512 decode region 1.26x (``benchmarks.probes.tiering``,
 #: ``benchmarks.probes.decode_region``), at the price of a packed copy of the weights per region.
@@ -199,7 +199,7 @@ def in_place_initializers(
     model: onnx.ModelProto, weights: Weights, tensors: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The weights of a model that prepacks which onnxruntime can take from the region's own
-    tensors (``add_initializer``, ``runtime.OrtExecutor``) rather than from its weights file:
+    tensors (``add_initializer``, ``host.ort.OrtExecutor``) rather than from its weights file:
     frozen float32 weights as they are (not casts; onnxruntime prepacks float32 only) that
     :func:`shared_weights` would feed, of the shape the model declares. Unlike
     :func:`shared_weights` the model is not changed: they stay initializers, so onnxruntime
@@ -217,7 +217,7 @@ def in_place_initializers(
 
 
 #: A region that prepacks opens on a first-tier session that reads its weights in place when
-#: they come to at least this much (``runtime.TieredExecutor``): prepacking costs ~1 ms per MB
+#: they come to at least this much (``host.ort.TieredExecutor``): prepacking costs ~1 ms per MB
 #: when a session opens, so below this the caller would save too little to run a second session.
 TIER_MIN_BYTES = 16 * 2**20
 

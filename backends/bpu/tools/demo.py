@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from fxpass.backends.bpu.runtime import settle
+from fxpass.backends.bpu.host.ort import settle
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
