@@ -270,7 +270,7 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     forward call (Dynamo's guards and frame, AOTAutograd, ``compile_for_generate``'s wrapper);
     the rest of it is HF's loop.
     """
-    import fxpass.backends.bpu.backend as be
+    import fxpass.backends.bpu.guarded as be
     import fxpass.backends.bpu.host.ort as ort
     import fxpass.backends.bpu.runtime as rt
 
@@ -350,7 +350,7 @@ def _outside_replayed(
     """
     import numpy as np
 
-    import fxpass.backends.bpu.backend as be
+    import fxpass.backends.bpu.guarded as be
 
     real = be.GuardedGraph.__call__
     replay: dict[int, Any] = {}

@@ -33,9 +33,8 @@ from fxpass.backends.bpu.device.lowering import (
 from fxpass.backends.bpu.device.region import RegionGraph
 from fxpass.backends.bpu.host.build import build_ort, compile_ort, quantized_ort
 from fxpass.backends.bpu.host.ort import OrtExecutor
+from fxpass.backends.bpu.options import EXECUTORS, Options
 from fxpass.backends.bpu.runtime import Compiled
-
-EXECUTORS = ("auto", "hbdnn", "onnxruntime")
 
 
 def resolve_executor(executor: str) -> str:
@@ -58,7 +57,7 @@ def compile_region(
     march: str,
     executor: str,
     cache: ArtifactCache | None,
-    options: dict[str, Any],
+    options: Options,
     threads: int | None = None,
     tiered: bool = True,
     keep: bool = False,
@@ -68,9 +67,9 @@ def compile_region(
     ``export``; the region must stand alone (no weight read from the caller's tensors, no
     cache, no second tier) and ``Compiled.artifact`` keeps what the package writes."""
     kind = resolve_executor(executor)
-    key = region_key(rg.gm, march=march, executor=kind, options=options)
+    key = region_key(rg.gm, march=march, executor=kind, options=options.region_keyed())
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
-    cfg = Q.resolve_config(options.get("quantize"))
+    cfg = Q.resolve_config(options.quantize)
     if cfg is None and kind == "hbdnn":  # the board needs integer MAC inputs (FACTS.md)
         cfg = Q.CONFIGS[Q.DEFAULT_CONFIG]
     if cfg is not None:
@@ -80,8 +79,8 @@ def compile_region(
                 "board's executor='hbdnn', which always quantizes) is not supported yet; "
                 "export with quantize=None and executor='onnxruntime'")
         return _compile_quantizing(rg, name, key, input_names, march, kind, cfg, cache, threads)
-    fuse = options.get("host_fusions", True)
-    rows = 1 if options.get("prepack_one_row") is False else None  # 1: one row reads in place
+    fuse = options.host_fusions
+    rows = None if options.prepack_one_row else 1  # 1: one row reads in place
     if keep:
         proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
         return build_ort(rg, key, input_names, None, threads, proto, weights, {},

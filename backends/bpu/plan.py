@@ -42,6 +42,7 @@ from torch.fx import Graph, GraphModule, Node
 from fxpass import env
 from fxpass.backends.bpu.cache import host_cpu_fingerprint, tool_versions
 from fxpass.backends.bpu.digest import hasher, rule_identity, source_digest, tensor_digest
+from fxpass.backends.bpu.options import Options
 from fxpass.graph import FROZEN
 
 PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value fix
@@ -49,8 +50,6 @@ PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value f
 #: f32 copy of the embedding table (125 MiB for a 32000 x 1024 vocabulary), which a 64 MiB
 #: bound refused; reading it back is far cheaper than re-running the rules.
 MAX_CONSTANT_BYTES = 512 * 1024**2
-_NOT_KEYED_OPTIONS = ("cache_dir", "tiered", "max_variants", "max_shape_variants",
-                      "cpu_threads")  # no result
 #: environment variables that change what the rules make of a graph
 _KEYED_ENV = ("FXPASS_REWRITE_LIMIT", "FXPASS_FOLD_MAX_GROWTH", "FXPASS_FOLD_MIN_BYTES")
 
@@ -150,7 +149,7 @@ def _val(v: Any, stride: bool = False) -> Any:
     raise Unencodable(f"node value of type {type(v).__name__}")
 
 
-def graph_key(gm: GraphModule, opts: dict[str, Any], rules: list[Any], executor: str) -> str:
+def graph_key(gm: GraphModule, opts: Options, rules: list[Any], executor: str) -> str:
     """The key of the backend's whole result for this captured graph (see the module doc).
 
     Raises :class:`Unencodable` when the graph cannot be keyed faithfully.
@@ -171,7 +170,7 @@ def graph_key(gm: GraphModule, opts: dict[str, Any], rules: list[Any], executor:
                 raise Unencodable(f"get_attr {n.target} is a {type(t).__name__}")
             row.append(tensor_digest(t))
         h.update(json.dumps(row).encode())
-    keyed = {k: v for k, v in opts.items() if k not in _NOT_KEYED_OPTIONS}
+    keyed = opts.keyed()
     context = {
         "options": keyed,
         "rules": [rule_identity(r) for r in rules],
@@ -315,10 +314,10 @@ def store(cache: Any, key: str, out: GraphModule, regions: list[dict], report: d
     return cache.put(key, ".plan.json", data, keep=keep) is not None
 
 
-def key_for(gm: GraphModule, opts: dict, rules: list, executor: str, cache: Any) -> str | None:
+def key_for(gm: GraphModule, opts: Options, rules: list, executor: str, cache: Any) -> str | None:
     """The plan key, or None when plans do not apply: no cache, quantized regions (their
     executor calibrates at run time from the float lowering) or a graph it cannot encode."""
-    if cache is None or opts.get("quantize") or executor != "onnxruntime":
+    if cache is None or opts.quantize or executor != "onnxruntime":
         return None
     try:
         return graph_key(gm, opts, rules, executor)
@@ -329,7 +328,7 @@ def key_for(gm: GraphModule, opts: dict, rules: list, executor: str, cache: Any)
 def apply(
     cache: Any,
     key: str,
-    opts: dict,
+    opts: Options,
     report: Any,
     rebuild: Callable[[int], GraphModule],
     gm: GraphModule,
@@ -345,7 +344,7 @@ def apply(
 
     frozen = {p.name: p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder")
               if FROZEN in p.meta}
-    got = load(cache, key, opts.get("threads"), frozen, opts.get("tiered", True))
+    got = load(cache, key, opts.threads, frozen, opts.tiered)
     if got is None:
         return None
     plan, loaded = got
@@ -364,7 +363,7 @@ def apply(
                 c.executor,
                 functools.partial(rebuild, r["rid"]),
                 expected,
-                strict=opts["strict"],
+                strict=opts.strict,
                 out_shapes=outs,
             )
             regions.append(

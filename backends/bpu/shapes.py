@@ -34,10 +34,9 @@ import torch
 from torch.fx import GraphModule
 
 from fxpass._capture import SOURCE
+from fxpass.backends.bpu.options import Options
 from fxpass.graph import FROZEN, FROZEN_BUFFER
 
-#: compiled static variants one symbolic graph keeps (option ``max_shape_variants``)
-MAX_SHAPE_VARIANTS = 8
 #: every live ShapeVariants in this process (for tests and tools; held weakly)
 INSTANCES: weakref.WeakSet = weakref.WeakSet()
 
@@ -114,7 +113,7 @@ def _describe(sig: tuple) -> str:
 class ShapeVariants:
     """A symbolic graph compiled per concrete input signature, least recently used evicted."""
 
-    def __init__(self, gm: GraphModule, keyed: list[int], opts: dict[str, Any],
+    def __init__(self, gm: GraphModule, keyed: list[int], opts: Options,
                  build: Callable[[GraphModule], Any]):
         self.symbolic, self.keyed, self.opts, self._build = gm, keyed, opts, build
         self.variants: OrderedDict[tuple, Any] = OrderedDict()
@@ -138,7 +137,7 @@ class ShapeVariants:
         run = self._build(specialize(self.symbolic, args))
         seconds = time.perf_counter() - t0
         STATS["shape_variants"] += 1
-        cap = self.opts.get("max_shape_variants") or MAX_SHAPE_VARIANTS
+        cap = self.opts.max_shape_variants
         evicted = False
         while len(self.variants) >= cap:
             self.variants.popitem(last=False)  # its sessions go with it

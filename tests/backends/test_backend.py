@@ -177,7 +177,7 @@ def test_training_graph_stays_eager_with_correct_gradients(opts):
 def test_option_type_errors_name_the_type_wanted(options, message):
     """Found by a probe: the message read "must be raise instead of falling back to eager;
     got str" (the help text in place of the type)."""
-    from fxpass.backends.bpu.backend import validate_options
+    from fxpass.backends.bpu.options import from_options as validate_options
 
     with pytest.raises(TypeError, match=message):
         validate_options(options)
@@ -231,7 +231,8 @@ def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
 def test_guard_keeps_one_variant_per_weights_and_evicts_stale_versions():
     """GuardedGraph directly: a second set of weights adds a variant, switching back hits it,
     and an in-place write replaces the variant of those same tensors (it can never match again)."""
-    from fxpass.backends.bpu.backend import GuardedGraph, validate_options
+    from fxpass.backends.bpu.guarded import GuardedGraph
+    from fxpass.backends.bpu.options import from_options as validate_options
     from fxpass.graph import FROZEN
     from tests.conftest import trace
 
@@ -419,7 +420,7 @@ def test_more_weight_sets_than_max_variants_run_eagerly_with_a_reason(opts):
 
 
 def test_max_variants_must_be_positive():
-    from fxpass.backends.bpu.backend import validate_options
+    from fxpass.backends.bpu.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="max_variants"):
         validate_options({"max_variants": 0})
@@ -712,7 +713,7 @@ def test_a_raising_rule_is_named_with_its_plugin_and_the_fix(opts, monkeypatch):
 
 def test_a_bad_fxpass_variable_is_an_error_naming_it(monkeypatch):
     """Found by a probe: FXPASS_REWRITE_LIMIT=abc sent every graph to eager with a warning."""
-    from fxpass.backends.bpu.backend import validate_options
+    from fxpass.backends.bpu.options import from_options as validate_options
 
     monkeypatch.setenv("FXPASS_REWRITE_LIMIT", "abc")
     with pytest.raises(ValueError, match="FXPASS_REWRITE_LIMIT='abc' is invalid"):

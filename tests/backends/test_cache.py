@@ -106,6 +106,7 @@ def test_put_file_moves_and_get_path_verifies_by_streaming(tmp_path):
 
 from fxpass.backends.bpu import backend as backend_mod  # noqa: E402
 from fxpass.backends.bpu import digest as digest_mod  # noqa: E402
+from fxpass.backends.bpu import options as options_mod  # noqa: E402
 from fxpass.backends.bpu import plan as plan_mod  # noqa: E402
 from fxpass.backends.bpu.runtime import RegionFallbackWarning  # noqa: E402
 
@@ -201,7 +202,7 @@ def test_graph_key_covers_plugin_rule_version_and_source(tmp_path, monkeypatch):
 
     (c,) = _cg(_mlp(), XS)
     rules = select_rules(target="bpu")
-    opts = backend_mod.validate_options({"cache_dir": str(tmp_path)})
+    opts = options_mod.from_options({"cache_dir": str(tmp_path)})
     k = plan_mod.graph_key(c.gm, opts, rules, "onnxruntime")
     assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") == k  # stable
     monkeypatch.setattr(digest_mod, "_dist_version", lambda dist: "99.0")
@@ -211,7 +212,7 @@ def test_graph_key_covers_plugin_rule_version_and_source(tmp_path, monkeypatch):
     assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k  # an edited rule module
     monkeypatch.undo()
     assert plan_mod.graph_key(c.gm, opts, rules[:-1], "onnxruntime") != k  # one rule fewer
-    assert plan_mod.graph_key(c.gm, {**opts, "march": "nash-e"}, rules, "onnxruntime") != k
+    assert plan_mod.graph_key(c.gm, opts.replace(march="nash-e"), rules, "onnxruntime") != k
     # found by a probe: a bisection's FXPASS_REWRITE_LIMIT over a warm cache loaded the
     # unlimited plan; the folding bounds change the rules' result too
     for name, value in (("FXPASS_REWRITE_LIMIT", "0"), ("FXPASS_FOLD_MIN_BYTES", "0")):
@@ -225,11 +226,11 @@ def test_fxpass_check_reaches_the_backend(monkeypatch):
     """Found by a probe: the backend passed check=False explicitly, so FXPASS_CHECK=1 did
     nothing there, and a bad value was not even read."""
     monkeypatch.setenv("FXPASS_CHECK", "1")
-    assert backend_mod.validate_options({"cache": False})["check"] is True
-    assert backend_mod.validate_options({"cache": False, "check": False})["check"] is False
+    assert options_mod.from_options({"cache": False}).check is True
+    assert options_mod.from_options({"cache": False, "check": False}).check is False
     monkeypatch.setenv("FXPASS_CHECK", "maybe")
     with pytest.raises(ValueError, match="FXPASS_CHECK='maybe' is invalid"):
-        backend_mod.validate_options({"cache": False})
+        options_mod.from_options({"cache": False})
 
 
 

@@ -394,7 +394,7 @@ def test_hf_loop_between_steps_runs_on_loop_threads(opts, loop_threads):
     compile_for_generate(model, max_cache_len=32, options=opts, loop_threads=loop_threads)
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
-    import fxpass.backends.bpu.backend as be
+    import fxpass.backends.bpu.guarded as be
 
     steps = []
     real = be.GuardedGraph.__call__

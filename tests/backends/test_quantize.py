@@ -292,7 +292,7 @@ def test_quantize_refuses_unfrozen_weights():
     """Found by a probe: with freeze_weights=False the weights were graph inputs, calibrated
     like activations once; after a weight update the region kept the old ranges (cosine 0.89,
     no warning). The combination is refused with the fix."""
-    from fxpass.backends.bpu.backend import validate_options
+    from fxpass.backends.bpu.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="needs freeze_weights=True"):
         validate_options({"quantize": "w8a16", "freeze_weights": False})

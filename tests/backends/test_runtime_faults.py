@@ -7,6 +7,7 @@ import torch
 
 import fxpass
 import fxpass.backends.bpu.backend as backend
+import fxpass.backends.bpu.options as options_mod
 
 
 class ZeroDim(torch.nn.Module):
@@ -53,8 +54,8 @@ class _no_fallback:
 @pytest.mark.parametrize("threads", [0, -1, 10**6])
 def test_threads_is_bounded_by_the_cpu_count(threads):
     with pytest.raises(TypeError, match="threads"):
-        backend.validate_options({"threads": threads})
-    assert backend.validate_options({"threads": 1})["threads"] == 1
+        options_mod.from_options({"threads": threads})
+    assert options_mod.from_options({"threads": 1}).threads == 1
 
 
 def test_inference_mode_weights_compile_and_warn_once(opts):

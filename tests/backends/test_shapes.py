@@ -67,7 +67,7 @@ def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
     with torch.no_grad():
         kw = _bert_inputs(8)
         c(**kw)
-        (sv,) = [s for s in shapes.INSTANCES if s.opts.get("max_shape_variants") == 2]
+        (sv,) = [s for s in shapes.INSTANCES if s.opts.max_shape_variants == 2]
         first = weakref.ref(next(iter(sv.variants.values())))
         for n in (10, 12, 14, 8):
             kw = _bert_inputs(n, seed=n)

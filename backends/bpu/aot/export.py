@@ -35,6 +35,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
 from fxpass._capture import SOURCE, mutated_inputs
+from fxpass.backends.bpu.options import Options, from_options
 from fxpass.graph import FROZEN, FROZEN_BUFFER
 
 #: key -> the callable that runs a region (a ``runtime.RegionCall``)
@@ -122,7 +123,7 @@ class Lowered:
 
 
 def lower(
-    module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], opts: dict[str, Any],
+    module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], opts: Options,
     say: Callable[[str], None],
 ) -> Lowered:
     """``module(*args, **kwargs)`` through torch.export and the JIT pipeline (module doc)."""
@@ -350,7 +351,7 @@ class Program:
     before the model's own (``weights``), so a package stores each weight once."""
 
     lowered: Lowered
-    options: dict[str, Any]
+    options: Options
 
     @property
     def exported_program(self) -> ExportedProgram:
@@ -389,20 +390,18 @@ def threads(fn: Callable[..., Any], n: int | None) -> Callable[..., Any]:
     return fn if n is None else TorchThreads(fn, n)
 
 
-def export_options(options: dict[str, Any] | None) -> dict[str, Any]:
+def export_options(options: dict[str, Any] | None) -> Options:
     """The backend's options, validated, for a program that must stand alone."""
-    from fxpass.backends.bpu.backend import EXPORTING, validate_options
     from fxpass.backends.bpu.compile import resolve_executor
 
-    opts = validate_options(options)
-    if opts.get("quantize") is not None or resolve_executor(opts["executor"]) != "onnxruntime":
+    opts = from_options(options)
+    if opts.quantize is not None or resolve_executor(opts.executor) != "onnxruntime":
         raise ExportError(
             "export() packages host (onnxruntime) regions in float only for now: quantized "
             "regions (option 'quantize', and the board's executor='hbdnn', which always "
             "quantizes) are not exported yet. Pass executor='onnxruntime' and no 'quantize', "
             "or use torch.compile(model, backend='fxpass_bpu') for those")
-    opts.update(cache=False, tiered=False, **{EXPORTING: True})
-    return opts
+    return opts.replace(cache=False, tiered=False, exporting=True)
 
 
 def export(
@@ -440,7 +439,7 @@ class GenerateProgram:
 
     prefill: Lowered
     decode: Lowered
-    options: dict[str, Any]
+    options: Options
     generate: dict[str, Any]
 
     def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:

@@ -41,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpass.backends.bpu.digest import HASH_NAME, hasher
+from fxpass.backends.bpu.options import Options
 
 FORMAT = "fxpass-package/1"
 MANIFEST = "manifest.json"
@@ -121,12 +122,12 @@ def _spec_modules(*specs: Any) -> list[str]:
     return sorted(found)
 
 
-def _rule_set(options: dict[str, Any]) -> list[dict[str, Any]]:
+def _rule_set(options: Options) -> list[dict[str, Any]]:
     from fxpass.backends.bpu.digest import rule_identity
     from fxpass.plugins import select_rules
 
-    rules = select_rules(target="bpu", enable=options.get("enable"),
-                         disable=options.get("disable"), only=options.get("only"))
+    rules = select_rules(target="bpu", enable=options.enable,
+                         disable=options.disable, only=options.only)
     out = []
     for r in rules:
         name, plugin, version, *_rest, module, source, _packages = rule_identity(r)
@@ -191,7 +192,7 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
     }
 
 
-def save(programs: dict[str, Any], options: dict[str, Any], path: str | os.PathLike, *,
+def save(programs: dict[str, Any], options: Options, path: str | os.PathLike, *,
          extra: dict[str, Any] | None = None,
          progress: Callable[[str], None] | None = None) -> str:
     """Write ``programs`` (name -> ``aot.Lowered``) to the directory ``path``, atomically:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from fxpass.backends.bpu.options import Options
+
 DIMS = {"seq": 1, "batch": 0}
 _PADDED = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -171,7 +173,7 @@ def compile_for_encoder(
 class BucketProgram:
     """What :func:`export_for_encoder` returns: one program per (batch, seq) bucket."""
 
-    def __init__(self, programs: dict[str, Any], options: dict[str, Any], meta: dict[str, Any]):
+    def __init__(self, programs: dict[str, Any], options: Options, meta: dict[str, Any]):
         self.programs, self.options, self.meta = programs, options, meta
 
     def save(self, path: str, *, progress: Any = None) -> str:

@@ -129,11 +129,11 @@ def compile_for_generate(
             f"{type(model).__name__} has no generation_config: compile_for_generate is for "
             "transformers models with generate(); compile other models with torch.compile"
         )
-    from fxpass.backends.bpu.backend import validate_options
+    from fxpass.backends.bpu.options import from_options
 
     # here, not wrapped in Dynamo's error at the first generate(); torch.compile takes its own
     # key (guard_filter_fn) out of the options before the backend sees them
-    validate_options({k: v for k, v in (options or {}).items() if k not in TORCH_OPTIONS})
+    from_options({k: v for k, v in (options or {}).items() if k not in TORCH_OPTIONS})
     cfg.cache_implementation = "static"
     cfg.max_cache_len = max_cache_len
     # called again (another max_cache_len or options): compile the model's own forward
