@@ -186,7 +186,7 @@ def test_export_refuses_a_model_that_writes_its_buffers():
 
 def test_a_region_program_called_without_load_names_the_fix(bert_package, tmp_path):
     """torch.export.load alone gives a program whose regions are not open: a clear error."""
-    from fxpass.backends.bpu.aot import export as export_mod
+    from fxpass.backends.bpu.aot import runtime as export_mod
 
     _, kw, program, path = bert_package
     key = program.regions[0].key

@@ -148,7 +148,7 @@ def _versions() -> dict[str, str]:
 def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
                    say: Callable[[str], None]) -> dict[str, Any]:
     from fxpass.backends.bpu import plan
-    from fxpass.backends.bpu.aot.export import runtime_graph
+    from fxpass.backends.bpu.aot.runtime import runtime_graph
     from fxpass.backends.bpu.device.lowering.driver import point_external
 
     say(f"writing {name}.pt2")
@@ -317,7 +317,7 @@ class LoadedProgram:
 
     def __init__(self, root: Path, name: str, spec: dict[str, Any], weights: np.memmap,
                  state: dict[str, torch.Tensor]):
-        from fxpass.backends.bpu.aot.export import bind, threads
+        from fxpass.backends.bpu.aot.runtime import bind, threads
 
         self.path, self.name, self.spec = root, name, spec
         self.weights = [
@@ -333,7 +333,7 @@ class LoadedProgram:
                         for i in spec["inputs"]]
         from fxpass.backends.bpu import plan
 
-        # the program's runtime graph (aot.runtime_graph), not torch.export.load: that one
+        # the program's runtime graph (aot.runtime.runtime_graph), not torch.export.load: that one
         # imports Dynamo, 1.3 s of a fresh process; the .pt2 is the portable copy
         gm = bind(plan.decode(json.loads((root / spec["graph"]).read_bytes()),
                               (root / spec["consts"]).read_bytes(), {}))
@@ -387,7 +387,7 @@ class Package:
 
 def open_package(path: str | os.PathLike) -> Package:
     """Verify package ``path`` and open every program and region in it (no compile)."""
-    from fxpass.backends.bpu.aot.export import open_region
+    from fxpass.backends.bpu.aot.runtime import open_region
     from fxpass.backends.bpu.host.ort import OrtExecutor
     from fxpass.backends.bpu.runtime import RegionCall
 
