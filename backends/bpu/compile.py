@@ -70,7 +70,7 @@ def compile_region(
     key = region_key(rg.gm, march=march, executor=kind, options=options.region_keyed())
     input_names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
     cfg = Q.resolve_config(options.quantize)
-    if cfg is None and kind == "hbdnn":  # the board needs integer MAC inputs (FACTS.md)
+    if cfg is None and kind == "hbdnn":  # the board needs integer MAC inputs (docs/bpu-facts.md)
         cfg = Q.CONFIGS[Q.DEFAULT_CONFIG]
     if cfg is not None:
         if keep:

@@ -5,8 +5,9 @@ It checks every call against the documented API (docs/bpu-facts.md) and records 
 ``convert(module, march)`` takes export's module and a known march, and places each op as the
 real one does: a tensor-engine op (Conv/ConvTranspose/MatMul/Gemm) whose data inputs are not
 dequantized (no Q/DQ) is float, which the real ``convert`` places on the CPU
-("external_cpu", FACTS.md); the fake reports that as a ``FloatMacError`` (a board-bound model
-must never do it), and with ``advice=True`` writes the per-op placement to ``advice_path``;
+("external_cpu", docs/bpu-facts.md); the fake reports that as a ``FloatMacError`` (a
+board-bound model must never do it), and with ``advice=True`` writes the per-op placement to
+``advice_path``;
 ``compile(module, path, march, opt=2)`` takes convert's module, the same march and a
 ``.hbm`` path in an existing directory. The "compiled" artifact embeds the ONNX model, and
 the fake runtime runs it with onnxruntime after checking input names, dtypes and shapes as

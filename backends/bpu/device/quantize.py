@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 import onnx
 
-#: Ops whose inputs must be integers on each march: the tensor engine on every march (FACTS.md,
-#: "Data types": conv/matmul/linear take int8/int16; a float one is placed on the CPU). On
-#: nash-e/nash-m the elementwise tables are "mostly int8/int16, with float16 paths in newer
-#: releases" (FACTS.md), so we take the conservative reading and quantize add/sub/mul there too.
-#: nash-p/nash-h elementwise ops accept float16/float32 (FACTS.md), so they stay float.
+#: Ops whose inputs must be integers on each march: the tensor engine on every march
+#: (docs/bpu-facts.md, "Data types": conv/matmul/linear take int8/int16; a float one is placed
+#: on the CPU). On nash-e/nash-m the elementwise tables are "mostly int8/int16, with float16
+#: paths in newer releases" (docs/bpu-facts.md), so we take the conservative reading and
+#: quantize add/sub/mul there too.
+#: nash-p/nash-h elementwise ops accept float16/float32 (docs/bpu-facts.md), so they stay float.
 TENSOR_ENGINE = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 INTEGER_INPUT_OPS: dict[str, tuple[str, ...]] = {
     "nash-p": TENSOR_ENGINE,
