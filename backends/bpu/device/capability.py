@@ -11,9 +11,9 @@ capability accepts is therefore one the lowering can emit.
 
 Float tensors: the tensor engine computes in int8/int16, and a float conv/matmul handed to
 ``convert`` is placed on the board's CPU (docs/bpu-facts.md). Float32/float16 are accepted here
-because the compile step quantizes: on the board path a region reaches hbdk4 only as a calibrated Q/DQ
-model (:mod:`fxpass.backends.bpu.device.quantize`, which holds which ops need integer inputs per
-march); on the host, quantization is opt-in.
+because the compile step quantizes: on the board path a region reaches hbdk4 only as a
+calibrated Q/DQ model (:mod:`fxpass.backends.bpu.device.quantize`, which holds which ops need
+integer inputs per march); on the host, quantization is opt-in.
 """
 
 from __future__ import annotations
