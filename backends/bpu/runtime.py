@@ -130,6 +130,9 @@ class RegionCall(torch.nn.Module):
                 torch.Size(v.shape) if isinstance(v, torch.Tensor) else None for v in vals
             ]
         self.out_shapes = out_shapes
+        #: (output, its compiled shape, that shape's element count): the per-call checks
+        #: read these instead of recomputing them
+        self._outs = [(i, s, math.prod(s)) for i, s in enumerate(out_shapes) if s is not None]
         self.strict = strict
         self.failed: str | None = None if executor is not None else "not compiled"
 
@@ -152,21 +155,22 @@ class RegionCall(torch.nn.Module):
                 outs = self.executor(*tensors)
             except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
                 return self._fallback(f"{type(e).__name__}: {e}", tensors)
-            views = False  # an output left unreshaped (host.output_views): viewed back here
-            for o, shape in zip(outs, self.out_shapes, strict=True):
-                if shape is not None and o.shape != shape:
-                    if o.numel() != math.prod(shape):
+            if len(outs) != len(self.out_shapes):
+                return self._fallback(f"{len(outs)} outputs, compiled for "
+                                      f"{len(self.out_shapes)}", tensors)
+            views = None  # an output left unreshaped (host.output_views): viewed back here
+            for i, shape, numel in self._outs:
+                o = outs[i]
+                if o.shape != shape:
+                    if o.numel() != numel:
                         return self._fallback(
                             f"output shape {tuple(o.shape)} is not the compiled {tuple(shape)}",
                             tensors,
                         )
-                    views = True
-            if views:
-                outs = tuple(
-                    x.reshape(s) if s is not None else x
-                    for x, s in zip(outs, self.out_shapes, strict=True)
-                )
-            return outs
+                    if views is None:
+                        views = list(outs)
+                    views[i] = o.reshape(shape)
+            return outs if views is None else tuple(views)
         return tuple(self._eager()(*tensors))
 
     def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:

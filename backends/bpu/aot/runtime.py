@@ -128,9 +128,11 @@ def _direct(key: str) -> Callable[..., tuple[torch.Tensor, ...]]:
     fn = _LIVE.get(key)
     if fn is None:
         raise RuntimeError(f"fxpass region {key!r} is not open in this process")
+    # a RegionCall's forward, not its Module.__call__: a loaded program has no hooks to run
+    run = fn.forward if isinstance(fn, torch.nn.Module) else fn
 
     def region_call(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fn(*inputs)
+        return run(*inputs)
 
     region_call.__name__ = f"region_{key[:8]}"
     return region_call
