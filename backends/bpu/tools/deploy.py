@@ -60,14 +60,21 @@ def export_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate_main(args: argparse.Namespace) -> int:
+def _load(path: str, verb: str) -> Any:
+    """The package at ``path``, or None after printing why it is refused."""
     from fxpass.backends.bpu.aot.package import PackageError, load
 
-    t0 = time.perf_counter()
     try:
-        runner = load(args.package)
+        return load(path)
     except PackageError as e:
-        print(f"fxpass generate: {e}", file=sys.stderr)
+        print(f"fxpass {verb}: {e}", file=sys.stderr)
+        return None
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    runner = _load(args.package, "generate")
+    if runner is None:
         return 2
     if not hasattr(runner, "generate"):
         print(f"fxpass generate: {args.package} is not a generation package (export it with "
@@ -121,13 +128,9 @@ def _random_inputs(specs: list[dict[str, Any]]) -> list[Any]:
 def run_main(args: argparse.Namespace) -> int:
     import torch.utils._pytree as pytree
 
-    from fxpass.backends.bpu.aot.package import PackageError, load
-
     t0 = time.perf_counter()
-    try:
-        program = load(args.package)
-    except PackageError as e:
-        print(f"fxpass run: {e}", file=sys.stderr)
+    program = _load(args.package, "run")
+    if program is None:
         return 2
     if "main" not in getattr(program, "programs", {}):
         print(f"fxpass run: {args.package} is a generation or bucket package; run it with "
