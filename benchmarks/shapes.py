@@ -12,7 +12,8 @@ Per contender: the first pass over all inputs (compiles included) and the warm s
 every output equals eager's (rtol = atol = 1e-4). ``fxpass-buckets`` is
 ``compile_for_encoder(buckets={"seq": [32, 64, 96, 128], "batch": [4]})`` (BERT only).
 Memory: resident set size over ``--memory-lengths`` distinct lengths without buckets, sampled
-every 20 calls. Inductor's and fxpass's caches start empty (a temporary directory each).
+every 20 calls, lengths in a seeded random order. Inductor's and fxpass's caches start empty
+(a temporary directory each).
 """
 
 from __future__ import annotations
@@ -133,14 +134,21 @@ def _rss_mb() -> float:
 
 
 def memory(lengths: int) -> dict:
-    """RSS over ``lengths`` distinct lengths through plain fxpass_bpu (no buckets)."""
+    """RSS over ``lengths`` distinct lengths through plain fxpass_bpu (no buckets).
+
+    The lengths come in a seeded random order, as a server sees them. In ascending order the
+    8 variants kept are the 8 longest so far, whose sessions grow with the length: RSS would
+    climb with what is kept, not with what was evicted."""
+    import random
+
     torch._dynamo.reset()
     c = torch.compile(_bert(), backend="fxpass_bpu")
     samples = []
+    order = random.Random(0).sample(range(8, 8 + lengths), lengths)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for i in range(lengths):
-            c(**_bert_inputs(0, 8 + i))  # batch 1, a new length every call
+        for i, n in enumerate(order):
+            c(**_bert_inputs(0, n))  # batch 1, a new length every call
             if i % 20 == 19:
                 gc.collect()
                 samples.append((i + 1, _rss_mb()))

@@ -24,6 +24,8 @@ static-cache fix (``generation.warn_if_growing``).
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import time
 import weakref
 from collections import OrderedDict
@@ -106,6 +108,40 @@ def specialize(gm: GraphModule, args: tuple) -> GraphModule:
     return static
 
 
+def _torch_caches() -> tuple[dict, dict]:
+    """torch's two process-wide, never-bounded caches that grow with every static graph this
+    module traces: FakeTensor's dispatch cache (keyed by concrete sizes: ~120 entries, 170 KB
+    per BERT 4 x 256 signature) and torch.fx's generated-source cache (every
+    ``GraphModule.recompile()``: 7 sources, 70 KB per signature). An empty dict when this torch
+    has neither (private names)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake = FakeTensorMode.cache
+    except (ImportError, AttributeError):
+        fake = {}
+    try:
+        from torch.fx.graph_module import _loader
+
+        sources = _loader.eval_cache
+    except (ImportError, AttributeError):
+        sources = {}
+    return fake, sources
+
+
+def _added(d: dict, before: int) -> list:
+    """The keys inserted into ``d`` (insertion-ordered) since it held ``before`` entries."""
+    return list(itertools.islice(reversed(d), max(len(d) - before, 0)))
+
+
+def _reports(run: Any) -> list[Any]:
+    """The compile reports a variant holds (``GuardedGraph``: its report and those of its
+    weight variants), each once."""
+    out = [getattr(run, "report", None)]
+    out += [v[2] for v in getattr(run, "variants", {}).values()]  # (guard, compiled, report, _)
+    return list({id(r): r for r in out if r is not None}.values())
+
+
 def _describe(sig: tuple) -> str:
     return ", ".join(f"{list(s[0])}" if isinstance(s, tuple) else str(s) for s in sig)
 
@@ -119,6 +155,7 @@ class ShapeVariants:
         self.variants: OrderedDict[tuple, Any] = OrderedDict()
         self.compiled: list[tuple[str, float]] = []  # (shapes, seconds) per compile, in order
         self.evictions = 0
+        self._sources: dict[tuple, list[str]] = {}  # per variant: the fx sources it made
         INSTANCES.add(self)
 
     def __call__(self, *args: Any) -> Any:
@@ -133,14 +170,24 @@ class ShapeVariants:
     def _compile(self, sig: tuple, args: tuple) -> Any:
         from fxpass.backends.bpu.backend import STATS
 
+        fake, sources = _torch_caches()
+        n_fake, n_sources = len(fake), len(sources)
         t0 = time.perf_counter()
-        run = self._build(specialize(self.symbolic, args))
+        try:
+            run = self._build(specialize(self.symbolic, args))
+        finally:
+            # FakeTensor's dispatch cache is keyed by this signature's concrete sizes: only
+            # this same signature ever hits its entries again, and the cache is process-wide
+            # and unbounded (~0.17 MB per distinct length, kept after the eviction)
+            for k in _added(fake, n_fake):
+                fake.pop(k, None)
         seconds = time.perf_counter() - t0
+        self._sources[sig] = _added(sources, n_sources)  # released with the variant
         STATS["shape_variants"] += 1
         cap = self.opts.max_shape_variants
         evicted = False
         while len(self.variants) >= cap:
-            self.variants.popitem(last=False)  # its sessions go with it
+            self._release(*self.variants.popitem(last=False))  # its sessions go with it
             self.evictions += 1
             STATS["shape_evictions"] += 1
             evicted = True
@@ -161,3 +208,19 @@ class ShapeVariants:
                 f"{len(self.variants)} variant(s) kept (max_shape_variants={cap}), "
                 f"{self.evictions} evicted so far")
         return run
+
+    def _release(self, sig: tuple, run: Any) -> None:
+        """What an evicted variant left outside itself: torch.fx's generated source of the graph
+        modules its compile made (and their linecache entries), and the rewrite ledgers of its
+        compile reports (``fxpass.compile_reports()`` keeps the last 256 reports, more than
+        the distinct lengths of a whole benchmark; a ledger is ~30 KB of a report's ~33). The
+        reports stay, with their summaries and a note. Without this each distinct shape kept
+        ~0.27 MB after its eviction."""
+        _, sources = _torch_caches()
+        for k in self._sources.pop(sig, ()):
+            sources.pop(k, None)
+            linecache.cache.pop(k, None)
+        for report in _reports(run):
+            if report.rules is not None:
+                report.rules = None
+                report.notes.append("shape variant evicted: its rewrite ledger was released")
