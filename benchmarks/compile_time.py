@@ -201,21 +201,21 @@ def markdown(out: dict) -> str:
 STEPS = [  # (label, path substring, function name) of a pstats entry
     ("plan key (graph + weight digests)", "bpu/plan.py", "key_for"),
     ("plan load (artifacts, ORT sessions, graph)", "bpu/plan.py", "apply"),
-    ("  of which ORT session", "bpu/runtime.py", "__init__"),
+    ("  of which ORT session", "bpu/host/ort.py", "__init__"),
     ("  of which cache read + verify", "bpu/cache.py", "_verified"),
     ("tool versions (imports onnxruntime; in the keys)", "bpu/cache.py", "tool_versions"),
     ("rules (pass manager)", "fxpass/passmanager.py", "run"),
     ("  of which bf16_promotion", "rules/bf16_promotion.py", "bf16_promotion"),
-    ("partition", "bpu/partition.py", "partition"),
-    ("extract regions", "bpu/region.py", "extract"),
+    ("partition", "bpu/device/partition.py", "partition"),
+    ("extract regions", "bpu/device/region.py", "extract"),
     ("region key (weight digests)", "bpu/cache.py", "region_key"),
-    ("lower to ONNX", "bpu/lower", "lower"),
-    ("host fusions (onnxscript)", "bpu/host.py", "fuse_for_ort"),
+    ("lower to ONNX", "bpu/device/lowering/driver.py", "lower"),
+    ("host fusions (onnxscript)", "bpu/host/prepare.py", "fuse_for_ort"),
     # on a worker thread where the region prepacks (cProfile sees only the wait for it)
     ("weights file (external data)", "lowering/driver.py", "write_weights_file"),
     ("cache write", "bpu/cache.py", "put"),
     ("plan store", "bpu/plan.py", "store"),
-    ("splice", "bpu/region.py", "splice"),
+    ("splice", "bpu/device/region.py", "splice"),
     ("recompile (FX codegen)", "fx/graph_module.py", "recompile"),
 ]
 

@@ -52,8 +52,8 @@ from torch.fx import Node
 
 from .rule import Rule, _describe, rule
 
-__all__ = ["ANY", "Match", "Maybe", "Multi", "Num", "Or", "P", "Var", "pattern_from",
-           "pattern_rule"]
+__all__ = ["ANY", "Match", "Maybe", "Multi", "Num", "Or", "P", "Var",  # noqa: F822
+           "pattern_from", "pattern_rule"]  # pattern_from: the module __getattr__ below
 
 _NO_DEFAULT = object()
 
@@ -100,12 +100,12 @@ class _Rooted:
 
     def match(self, node: Node) -> Match | None:
         """The match rooted at ``node``, or None (see :meth:`explain` for why not)."""
-        m, _, _ = _match_root(self, node)
+        m, _, _ = _matching._match_root(self, node)
         return m
 
     def explain(self, node: Node) -> str | None:
         """Why the pattern does not match at ``node`` (None if it does)."""
-        _, why, _ = _match_root(self, node)
+        _, why, _ = _matching._match_root(self, node)
         return why
 
 
@@ -258,7 +258,7 @@ def pattern_rule(
 
     def wrap(fn: RewriteFn) -> Rule:
         def apply(node: Node, rw: Any) -> bool:
-            m, why, depth = _match_root(pattern, node)
+            m, why, depth = _matching._match_root(pattern, node)
             if m is None:
                 if depth > 1:  # a near-miss: worth a line in the report
                     rw.skip(f"pattern: {why}")
@@ -295,10 +295,10 @@ def pattern_rule(
 def _rewrite_multi(rw: Any, m: Match, fn: RewriteFn) -> bool:
     """A multi-root rewrite, built before the earliest root (every root's users come after
     it); its inputs must all be defined before that point, else the rule skips."""
-    first = min(m.roots, key=_order)
-    start = _order(first)
+    first = min(m.roots, key=_matching._order)
+    start = _matching._order(first)
     late = [v.name for v in m.bindings.values()
-            if isinstance(v, Node) and v not in m.nodes and _order(v) > start]
+            if isinstance(v, Node) and v not in m.nodes and _matching._order(v) > start]
     if late:
         return rw.skip(f"pattern: {late} are defined after the first root {first.name}")
     with rw.at(first):
@@ -315,7 +315,17 @@ def _rewrite_multi(rw: Any, m: Match, fn: RewriteFn) -> bool:
     return True
 
 
-from .by_example import pattern_from  # noqa: E402 - it builds the classes above
 
-# the engine reads the classes above: imported once they exist
-from .matching import _match_root, _order  # noqa: E402
+def __getattr__(name: str) -> Any:
+    """``pattern_from`` lives in :mod:`fxpass.by_example`, which builds on the classes above;
+    loaded on first use, so either module may be imported first."""
+    if name == "pattern_from":
+        from .by_example import pattern_from
+
+        return pattern_from
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# the engine reads the classes above: imported once they exist, as a module (its names are
+# looked up at call time, so importing fxpass.matching first works too)
+from . import matching as _matching  # noqa: E402

@@ -6,7 +6,7 @@ default ``dynamic=None``), and a static-shape device cannot take one. Asking the
 Dynamo's recompile limit, then eager. Instead the backend keeps the symbolic graph and
 specializes it itself, per concrete input signature at call time: the symbolic aten graph
 re-traced with the call's shapes (``make_fx`` over fake tensors: every size a constant),
-then the usual rules, partition, regions and weight guard (``backend.GuardedGraph``). Dynamo
+then the usual rules, partition, regions and weight guard (``guarded.GuardedGraph``). Dynamo
 compiles once.
 
 Variants live in a bounded cache (option ``max_shape_variants``, default 8): the least
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -41,6 +42,7 @@ from fxpass.graph import FROZEN, FROZEN_BUFFER
 
 #: every live ShapeVariants in this process (for tests and tools; held weakly)
 INSTANCES: weakref.WeakSet = weakref.WeakSet()
+_BUILDING = threading.RLock()
 
 
 def _symbols(v: Any) -> set[Any]:
@@ -171,18 +173,23 @@ class ShapeVariants:
         from fxpass.backends.bpu.backend import STATS
 
         fake, sources = _torch_caches()
-        n_fake, n_sources = len(fake), len(sources)
-        t0 = time.perf_counter()
-        try:
-            run = self._build(specialize(self.symbolic, args))
-        finally:
-            # FakeTensor's dispatch cache is keyed by this signature's concrete sizes: only
-            # this same signature ever hits its entries again, and the cache is process-wide
-            # and unbounded (~0.17 MB per distinct length, kept after the eviction)
-            for k in _added(fake, n_fake):
-                fake.pop(k, None)
-        seconds = time.perf_counter() - t0
-        self._sources[sig] = _added(sources, n_sources)  # released with the variant
+        # one variant build at a time: what the caches gained meanwhile is this build's (a
+        # compile on another thread outside variant builds can still add to them; it loses
+        # at most a cache entry, or the source lines of its tracebacks)
+        with _BUILDING:
+            n_fake, n_sources = len(fake), len(sources)
+            t0 = time.perf_counter()
+            try:
+                run = self._build(specialize(self.symbolic, args))
+            finally:
+                # FakeTensor's dispatch cache is keyed by this signature's concrete sizes:
+                # only this same signature ever hits its entries again, and the cache is
+                # process-wide and unbounded (~0.17 MB per distinct length, kept after the
+                # eviction)
+                for k in _added(fake, n_fake):
+                    fake.pop(k, None)
+            seconds = time.perf_counter() - t0
+            self._sources[sig] = _added(sources, n_sources)  # released with the variant
         STATS["shape_variants"] += 1
         cap = self.opts.max_shape_variants
         evicted = False

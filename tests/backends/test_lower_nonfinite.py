@@ -15,7 +15,7 @@ case here runs a one-op region in real onnxruntime sessions, at every graph opti
 Inputs are contiguous and have more than one element, so eager takes its default (vectorized /
 oneDNN) kernels; those are what a compiled model is compared against.
 
-Known, documented differences that are *not* asserted here (see the comments in lower.py):
+Known, documented differences that are *not* asserted here (see the comments in device/lowering/):
 the sign of a zero produced by Where's first branch or by a sum of zeros; overflow that
 depends on accumulation order (sums, matmuls, convolutions, pooling averages, layer-norm
 variance); ``add``/``sub`` with ``alpha != 1``, where eager fuses ``x + alpha * y``; and

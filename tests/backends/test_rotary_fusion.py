@@ -146,7 +146,7 @@ def test_folded_tables_fuse_only_with_equal_halves(halves, b, opts):
 def test_a_buffer_table_fuses_and_is_not_fed(opts):
     """cos/sin as the model's own buffers (64 KiB each, so large enough to be fed in place):
     fused, the full tables are no longer in the model, so they must not be fed or written
-    back either (``host.declared_weights``); the session refused the feed before."""
+    back either (``host.prepare.declared_weights``); the session refused the feed before."""
     length, d = 128, 128
 
     class Rope(torch.nn.Module):

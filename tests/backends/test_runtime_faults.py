@@ -80,7 +80,7 @@ def test_compile_reports_are_bounded(opts, monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, 1], ids=["first-output", "second-output"])
 def test_an_output_of_another_size_falls_back_wherever_it_is(bad):
-    """RegionCall views unreshaped outputs back (``host.output_views``); an output whose
+    """RegionCall views unreshaped outputs back (``host.output_view.output_views``); an output whose
     element count differs from the compiled shape is an executor fault, wherever it sits
     among the outputs: eager's answer with a warning, never a crash in the view."""
     from torch.fx import symbolic_trace

@@ -195,7 +195,7 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
 def save(programs: dict[str, Any], options: Options, path: str | os.PathLike, *,
          extra: dict[str, Any] | None = None,
          progress: Callable[[str], None] | None = None) -> str:
-    """Write ``programs`` (name -> ``aot.Lowered``) to the directory ``path``, atomically:
+    """Write ``programs`` (name -> ``aot.export.Lowered``) to the directory ``path``, atomically:
     everything goes to a temporary directory beside it, renamed into place when complete."""
     say = progress or (lambda _msg: None)
     dest = Path(path)

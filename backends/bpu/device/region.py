@@ -28,7 +28,7 @@ class RegionGraph:
     outputs: list[Node]  # members of the region used outside it, in order
     members: list[Node]  # the region's nodes in the main graph, in graph order
     #: get_attr buffer -> the main graph's frozen placeholder it holds (a model weight): the
-    #: host can read those in place (``host.shared_weights``), also on a plan hit
+    #: host can read those in place (``host.prepare.shared_weights``), also on a plan hit
     sources: dict[str, str] = field(default_factory=dict)
 
 

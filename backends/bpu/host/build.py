@@ -69,27 +69,27 @@ def compile_ort(
 ) -> Compiled:
     """The host executor: the region's model reads the model's own weights in place.
 
-    Linear weights lower as ``Gemm(transB=1)`` over the weight itself. Where the region does
-    not prepack (``rows``: 1 for one row per GEMM with ``prepack_one_row=False``, or BF16
-    casts at one row; default ``host.PREPACK_MAX_ROWS``), every frozen weight is a graph input
-    fed from the caller's tensor (``host.shared_weights``), so neither the model, nor the
-    cache, nor onnxruntime holds a copy of it; only weight views (a bf16 weight cast to
-    float32) are written. The cache keeps onnxruntime's optimized model (``.host.onnx``, a
-    few kilobytes), the weights it bakes in as external data beside it (``.host.bin``: the
-    written weights, and every GEMM weight prepacked where it prepacks), and which frozen
-    weight each shared input is (``.host.json``).
+    Linear weights lower as ``Gemm(transB=1)`` over the weight itself. Where the region does not
+    prepack (``rows``: 1 for one row per GEMM with ``prepack_one_row=False``, or BF16 casts at one
+    row; default ``host.prepare.PREPACK_MAX_ROWS``), every frozen weight is a graph input fed from
+    the caller's tensor (``host.prepare.shared_weights``), so neither the model, nor the cache, nor
+    onnxruntime holds a copy of it; only weight views (a bf16 weight cast to float32) are written.
+    The cache keeps onnxruntime's optimized model (``.host.onnx``, a few kilobytes), the weights it
+    bakes in as external data beside it (``.host.bin``: the written weights, and every GEMM weight
+    prepacked where it prepacks), and which frozen weight each shared input is (``.host.json``).
 
-    Where onnxruntime would save no prepacked weights (none prepacked, or ``host.saves_prepacked``
-    says no), its optimized model buys a later process only the graph optimizer (a scratch load
-    of the Qwen3 4 x 1024 entry: 0.31 s with it on or off) and costs this one a second write of
-    every weight and a second session. The entry then keeps the lowering's own model and weights
-    (``"optimized": false``; each process optimizes at load), and the one session opened on them
-    keeps running: moving the files into the cache keeps what it maps.
+    Where onnxruntime would save no prepacked weights (none prepacked, or
+    ``host.prepare.saves_prepacked`` says no), its optimized model buys a later process only the
+    graph optimizer (a scratch load of the Qwen3 4 x 1024 entry: 0.31 s with it on or off) and costs
+    this one a second write of every weight and a second session. The entry then keeps the
+    lowering's own model and weights (``"optimized": false``; each process optimizes at load), and
+    the one session opened on them keeps running: moving the files into the cache keeps what it
+    maps.
 
-    A region that prepacks large weights is tiered (``tiered``, ``host.in_place_model``): this
-    returns as soon as an in-place-weights session is open, and everything above (the weights
-    file, the prepacked session, the entry) is built in the background. The entry then also
-    keeps that first tier's model (``.fast.onnx``, kilobytes), so a hit opens it at once too."""
+    A region that prepacks large weights is tiered (``tiered``, ``host.prepare.in_place_model``):
+    this returns as soon as an in-place-weights session is open, and everything above (the weights
+    file, the prepacked session, the entry) is built in the background. The entry then also keeps
+    that first tier's model (``.fast.onnx``, kilobytes), so a hit opens it at once too."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     if cache is not None:
         hit = cached_ort(cache, key, input_names, threads, buffers, tiered)
@@ -139,7 +139,7 @@ def _fused(
     proto: onnx.ModelProto, weights: Weights
 ) -> tuple[onnx.ModelProto, dict[str, int], Weights]:
     """The host fusions, and the weights the fused model still declares (a fusion may drop
-    one, ``host.declared_weights``)."""
+    one, ``host.prepare.declared_weights``)."""
     proto, fusions = fuse_for_ort(proto, weights)
     return proto, fusions, declared_weights(proto, weights)
 

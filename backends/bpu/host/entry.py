@@ -16,7 +16,7 @@ from fxpass.backends.bpu.host.ort import OrtExecutor, TieredExecutor
 from fxpass.backends.bpu.host.prepare import cast_weight, readable_in_place
 from fxpass.backends.bpu.runtime import Compiled
 
-#: dtypes a cached entry may ask a weight to be cast to (``host.cast_weight``)
+#: dtypes a cached entry may ask a weight to be cast to (``host.prepare.cast_weight``)
 _CAST_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.float64)}
 
 
@@ -24,7 +24,7 @@ _CAST_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.float64)
 WEIGHTS_SUFFIX = ".host.bin"
 
 
-#: a tiered entry's first-tier model (weights fed in place; ``host.in_place_model``)
+#: a tiered entry's first-tier model (weights fed in place; ``host.prepare.in_place_model``)
 FAST_SUFFIX = ".fast.onnx"
 
 

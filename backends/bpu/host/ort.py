@@ -55,7 +55,7 @@ class OrtExecutor:
         arena: bool = True,
         initializers: dict[str, torch.Tensor] | None = None,
     ):
-        """``shared``: weights that are graph inputs of ``model`` (``host.shared_weights``)
+        """``shared``: weights that are graph inputs of ``model`` (``host.prepare.shared_weights``)
         and the tensors that hold them, fed on every run as numpy views: onnxruntime reads
         them in place, and this executor keeps them alive. ``prepack=False`` stops
         onnxruntime from keeping a repacked copy of every GEMM weight. ``arena=False``: no
@@ -69,11 +69,12 @@ class OrtExecutor:
         packed (Qwen3 4 x 1024, 128 tokens: compile peak 1.32x -> 1.13x the weights,
         ``benchmarks.probes.compile_memory``).
 
-        ``optimized_weights``: with ``optimized_path``, the file name (beside it) that takes
-        the optimized model's weights as external data, prepacked GEMM weights included. A
-        later process then loads the optimized model without repacking anything, mapping
-        its weights from that file. (Only for models whose saved prepacked weights load,
-        ``host.saves_prepacked``; the others are cached unoptimized, ``compile._compile_ort``.)"""
+        ``optimized_weights``: with ``optimized_path``, the file name (beside it) that takes the
+        optimized model's weights as external data, prepacked GEMM weights included. A later
+        process then loads the optimized model without repacking anything, mapping its weights
+        from that file. (Only for models whose saved prepacked weights load,
+        ``host.prepare.saves_prepacked``; the others are cached unoptimized,
+        ``host.build.compile_ort``.)"""
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -128,13 +129,13 @@ class TieredExecutor:
     """A region's host executor in two tiers: a session that opens in milliseconds runs the
     first calls while the faster one is built on a background thread, then that one runs.
 
-    Why: onnxruntime prepacks every GEMM weight when a session opens (a copy in its kernels'
-    layout; 0.3 s for the 283 MB of a Qwen3 4 x 1024 prefill region, warm or cold), and the
-    prepacked GEMMs are what make a region with more than one row fast (1.78x at 8 rows, 1.41x
-    at 32, 1.10x at 128: ``python -m benchmarks.probes.tiering``). A session that reads the
-    weights in place (``host.shared_weights``, prepacking off) opens at once and gives the same
-    answers, so the caller waits for neither the prepacking nor the cache write; the first calls
-    run a little slower, then the prepacked session takes over (JIT-style tiering).
+    Why: onnxruntime prepacks every GEMM weight when a session opens (a copy in its kernels' layout;
+    0.3 s for the 283 MB of a Qwen3 4 x 1024 prefill region, warm or cold), and the prepacked GEMMs
+    are what make a region with more than one row fast (1.78x at 8 rows, 1.41x at 32, 1.10x at 128:
+    ``python -m benchmarks.probes.tiering``). A session that reads the weights in place
+    (``host.prepare.shared_weights``, prepacking off) opens at once and gives the same answers, so
+    the caller waits for neither the prepacking nor the cache write; the first calls run a little
+    slower, then the prepacked session takes over (JIT-style tiering).
 
     The build starts when the first call has returned (that call gets the cores, and its
     buffers are freed before the prepacking allocates; the compile's peak is the untiered

@@ -139,7 +139,7 @@ PREPACK_MAX_ROWS = 0
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64, torch.int32,
                  torch.int8, torch.uint8, torch.bool)
 #: weight dtypes a first tier reads in place and casts in its graph (``in_place_model``);
-#: BF16 has no numpy dtype, so the executor feeds it as an OrtValue (``runtime._feed``)
+#: BF16 has no numpy dtype, so the executor feeds it as an OrtValue (``host.ort._feed``)
 _FEEDABLE = {torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float16: onnx.TensorProto.FLOAT16}
 
 

@@ -307,7 +307,7 @@ def lower_weightless(
 
     ``gemm=True`` (host regions) lowers ``mm(x, t(W))`` / ``addmm(b, x, t(W))`` over a float32
     weight as ``Gemm(x, W, transB=1)``: the initializer is ``W`` itself, so it can be the
-    caller's own tensor (``host.shared_weights``) and no transposed copy is ever made. The
+    caller's own tensor (``host.prepare.shared_weights``) and no transposed copy is ever made. The
     board path keeps ``MatMul`` over the transposed initializer, the standard form hbdk4 and
     the quantizer expect."""
     if opset < 18:
