@@ -67,3 +67,21 @@ def test_no_module_over_500_lines() -> None:
             for f in sorted((REPO / top).rglob("*.py"))
             if (n := len(f.read_text().splitlines())) > 500]
     assert not long, "\n".join(long)
+
+
+#: modules that import each other lazily or at their end: each must import first, alone
+_FIRST = ["fxpass.matching", "fxpass.by_example", "fxpass.pattern", f"{PKG}.guarded",
+          f"{PKG}.options", f"{PKG}.device.board", f"{PKG}.host.build", f"{PKG}.aot.package"]
+
+
+@pytest.mark.slow  # a fresh interpreter per module
+@pytest.mark.parametrize("module", _FIRST)
+def test_module_imports_first_in_a_fresh_process(module: str) -> None:
+    """An import cycle shows only when a module is imported before its partner (fxpass.matching
+    alone raised ImportError while every caller imported fxpass.pattern first)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
