@@ -122,14 +122,11 @@ class Options:
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
 
-    def user(self) -> dict[str, Any]:
-        """The user's options as a plain dict (what a package's manifest records)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name != "exporting"}
-
     def keyed(self) -> dict[str, Any]:
-        """The options that change the compiled result (the plan's cache key)."""
-        return {k: v for k, v in self.user().items() if k not in NOT_KEYED}
+        """The user's options that change the compiled result, as JSON (the plan's cache key;
+        ``exporting`` turns the cache off, so no key is made under it)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in NOT_KEYED and f.name != "exporting"}
 
     def region_keyed(self) -> dict[str, Any]:
         """The options that shape one region's artifact (part of its cache key)."""
