@@ -42,6 +42,18 @@ def test_one_region_per_program(decoder):
     assert set(runner.package.programs) == {"prefill", "decode"}
 
 
+def test_decode_steps_take_the_fast_path(decoder):
+    """Position-only ops memoized, the cache writes fused, the tokens still HF's (above)."""
+    _, _, _, runner = decoder
+    dec = runner.package.programs["decode"]
+    assert dec.memos
+    assert not dec.gm.graph.find_nodes(op="call_function",
+                                       target=torch.ops.aten.index_copy_.default)
+    dec.memos[0].table.clear()
+    runner.generate(_prompt(5), max_new_tokens=6)
+    assert len(dec.memos[0].table) == 5  # one entry per decode position, 5..9
+
+
 @pytest.mark.parametrize("length", [5, 8, 19])
 @pytest.mark.parametrize("tail", ["pad", "decode"])
 def test_greedy_tokens_equal_hf_static_cache(decoder, length, tail):

@@ -78,12 +78,14 @@ class Lowered:
     report: Any
     cpu_threads: int | None
     seconds: dict[str, float] = field(default_factory=dict)
+    #: flat user inputs whose dependent CPU ops are memoized per value (``aot.memo``)
+    memo: list[int] = field(default_factory=list)
     _run: Any = None
 
     def runner(self) -> Callable[..., list[Any]]:
         """A callable over the flat inputs that writes the state in place (``inplace``)."""
         if self._run is None:
-            self._run = inplace(self.program)
+            self._run = inplace(self.program, len(self.weights), len(self.state), self.memo)
         return self._run
 
 
@@ -157,6 +159,12 @@ class _Flat(torch.nn.Module):
 
     def forward(self, *flat: Any) -> Any:
         return tuple(self.gm(*flat))
+
+
+def _leaf_index(tree: Any, key: str) -> list[int]:
+    """The flat index of the leaf at dict key ``key`` in ``tree`` (as ``tree_flatten`` orders)."""
+    leaves = pytree.tree_flatten_with_path(tree)[0]
+    return [i for i, (path, _v) in enumerate(leaves) if getattr(path[-1], "key", None) == key]
 
 
 def _out_dtype(mod: Any, i: int) -> torch.dtype:
@@ -358,8 +366,10 @@ def export_for_generate(
         for name, length in (("prefill", prefill_length), ("decode", 1)):
             say(f"{name} program ({length} token(s) x batch {batch_size})")
             ids = torch.zeros(batch_size, length, dtype=torch.long)
-            progs[name] = lower(wrapper, (), {"input_ids": ids,
-                                              "cache_position": torch.arange(length)}, opts, say)
+            kw = {"input_ids": ids, "cache_position": torch.arange(length)}
+            progs[name] = lower(wrapper, (), kw, opts, say)
+            # the rotary tables, the mask and the write index depend on the position alone
+            progs[name].memo = _leaf_index(((), kw), "cache_position")
     finally:
         gc.cache_implementation, gc.use_cache = saved[0], saved[1]
         model.train(saved[2])

@@ -189,6 +189,7 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
         "state": [{"name": k, **_spec(t)} for k, t in low.state.items()],
         "regions": regions,
         "cpu_threads": low.cpu_threads,
+        "memo": list(low.memo),
     }
 
 
@@ -335,14 +336,49 @@ class LoadedProgram:
 
         # the program's runtime graph (aot.runtime.runtime_graph), not torch.export.load: that one
         # imports Dynamo, 1.3 s of a fresh process; the .pt2 is the portable copy
-        gm = bind(plan.decode(json.loads((root / spec["graph"]).read_bytes()),
-                              (root / spec["consts"]).read_bytes(), {}))
-        self._run = threads(gm, spec.get("cpu_threads"))
+        self.gm = bind(plan.decode(json.loads((root / spec["graph"]).read_bytes()),
+                                   (root / spec["consts"]).read_bytes(), {}))
+        phs = [n.name for n in self.gm.graph.find_nodes(op="placeholder")]
+        n_w = len(self.weights)
+        #: state name -> its placeholder in the runtime graph
+        self.state_phs = {s["name"]: ph for s, ph in zip(
+            spec["state"], phs[n_w:n_w + len(self.state)], strict=True)}
+        self._run = threads(self.gm, spec.get("cpu_threads"))
         self._prefix = (*self.weights, *self.state)
+        self.memos: list[Any] = []
+
+    def reads(self) -> set[str]:
+        """The state this program reads (not only writes)."""
+        from fxpass.backends.bpu.aot.writes import state_reads
+
+        by_ph = {ph: name for name, ph in self.state_phs.items()}
+        return {by_ph[ph] for ph in state_reads(self.gm, list(by_ph))}
+
+    def streamline(self, unread: set[str]) -> None:
+        """The per-call fast path (``aot.writes``, ``aot.memo``): no write into state that
+        no program of the package reads, the cache writes fused, the position-only ops
+        memoized."""
+        from fxpass.backends.bpu.aot.memo import memoize_inputs
+        from fxpass.backends.bpu.aot.writes import drop_writes, fuse_index_writes
+
+        drop_writes(self.gm, {self.state_phs[s] for s in unread if s in self.state_phs})
+        fuse_index_writes(self.gm)
+        self.memos = memoize_inputs(self.gm, len(self.weights), len(self.state),
+                                    self.spec.get("memo", []))
 
     def flat(self, *inputs: Any) -> tuple[Any, ...]:
-        """Run on the flat user inputs, unchecked (the generate loop's per-token path)."""
+        """Run on the flat user inputs, unchecked."""
         return self._run(*self._prefix, *inputs)
+
+    def step(self, *inputs: Any) -> tuple[Any, ...]:
+        """``flat`` on the caller's torch threads: a loop that calls it per token sets them
+        once around the loop (``cpu_threads``) instead of twice per call."""
+        return self.gm(*self._prefix, *inputs)
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """The torch thread count this program's CPU ops run on (None: the caller's)."""
+        return self.spec.get("cpu_threads")
 
     def check(self, leaves: list[tuple[Any, Any]]) -> None:
         """Inputs of the exported count, shapes and dtypes, else a ValueError naming the one."""
@@ -425,6 +461,9 @@ def open_package(path: str | os.PathLike) -> Package:
         for s in spec["state"]:  # shared by name between programs (prefill and decode)
             state.setdefault(s["name"], torch.zeros(s["shape"], dtype=_DTYPES[s["dtype"]]))
         programs[name] = LoadedProgram(root, name, spec, weights, state)
+    read = set().union(*(p.reads() for p in programs.values()))
+    for p in programs.values():
+        p.streamline(set(state) - read)
     return Package(root, manifest, programs, regions, state)
 
 

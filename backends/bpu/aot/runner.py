@@ -17,6 +17,8 @@ decode program (``python -m benchmarks.deploy`` measures both).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,8 @@ class Runner:
         self._prefill = package.programs["prefill"]
         self._decode = package.programs["decode"]
         self._positions = torch.arange(self.max_cache_len)
+        #: each position's one-element view, made once: a slice per step is a torch op
+        self._at = list(self._positions.view(-1, 1))
 
     def _check(self, input_ids: Any, max_new_tokens: int) -> None:
         where = f"{self.package.path}"
@@ -60,26 +64,26 @@ class Runner:
                 "exported with; shorten them, or export again with a larger max_cache_len")
 
     def _step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        (logits,) = self._decode.flat(ids, self._positions[pos:pos + 1])
-        return logits[:, -1, :]
+        """The decode program at ``pos``: logits (batch, 1, vocab)."""
+        return self._decode.step(ids, self._at[pos])[0]
 
     def prefill(self, input_ids: torch.Tensor, tail: str = "pad") -> torch.Tensor:
-        """Run the prompt into the cache; the logits of its last token (batch, vocab)."""
+        """Run the prompt into the cache; the logits of its last token (batch, 1, vocab)."""
         p, t = self.prefill_length, input_ids.shape[1]
         pos, logits = 0, None
         while t - pos >= p:
-            (out,) = self._prefill.flat(input_ids[:, pos:pos + p], self._positions[pos:pos + p])
-            logits, pos = out[:, -1, :], pos + p
+            (out,) = self._prefill.step(input_ids[:, pos:pos + p], self._positions[pos:pos + p])
+            logits, pos = out[:, -1:, :], pos + p
         if pos == t:
             return logits
         if tail == "pad" and pos + p <= self.max_cache_len:
             chunk = input_ids[:, pos:]
             pad = chunk[:, -1:].expand(chunk.shape[0], p - chunk.shape[1])
-            (out,) = self._prefill.flat(torch.cat([chunk, pad], 1).contiguous(),
+            (out,) = self._prefill.step(torch.cat([chunk, pad], 1).contiguous(),
                                         self._positions[pos:pos + p])
-            return out[:, t - pos - 1, :]
+            return out[:, t - pos - 1:t - pos, :]
         for i in range(pos, t):
-            logits = self._step(input_ids[:, i:i + 1], i)
+            logits = self._step(input_ids[:, i:i + 1].contiguous(), i)
         return logits
 
     @torch.no_grad()
@@ -115,21 +119,28 @@ class Runner:
             s.zero_()
         if streamer is not None:
             streamer.put(ids.cpu())
+        with cpu_threads(self._decode.cpu_threads):
+            return self._loop(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos,
+                              pad, gen, streamer, tail)
+
+    def _loop(self, ids: torch.Tensor, max_new_tokens: int, do_sample: bool,
+              temperature: float, top_k: int | None, top_p: float | None, eos: list[int],
+              pad: int, gen: torch.Generator | None, streamer: Any, tail: str) -> torch.Tensor:
         logits = self.prefill(ids, tail)
         pos = ids.shape[1]
         out = [ids]
         done = [False] * ids.shape[0]
         ends = set(eos)
         for step in range(max_new_tokens):
-            nxt = _pick(logits, do_sample, temperature, top_k, top_p, gen)
+            nxt = _pick(logits, do_sample, temperature, top_k, top_p, gen)  # (batch,) numpy
             if ends:  # per sequence, in Python: a batch is a handful of ints
                 toks = nxt.tolist()
                 for b, t in enumerate(toks):
                     if done[b]:
                         toks[b] = pad
                     done[b] = done[b] or t in ends
-                nxt = torch.tensor(toks, dtype=torch.long)
-            tok = nxt[:, None]
+                nxt = np.array(toks, dtype=np.int64)
+            tok = torch.from_numpy(nxt.reshape(-1, 1))
             out.append(tok)
             if streamer is not None:
                 streamer.put(tok)
@@ -142,11 +153,26 @@ class Runner:
         return torch.cat(out, 1)
 
 
+@contextmanager
+def cpu_threads(n: int | None) -> Iterator[None]:
+    """torch's CPU ops on ``n`` threads inside (``runtime.TorchThreads``, once per loop)."""
+    prev = torch.get_num_threads()
+    if n is None or n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
-          top_p: float | None, gen: torch.Generator | None) -> torch.Tensor:
+          top_p: float | None, gen: torch.Generator | None) -> np.ndarray:
+    """The next token per sequence from the last position's ``logits`` (batch, 1, vocab)."""
     if not do_sample:  # numpy's argmax: 3 us over 32k logits against torch's 48 (same ties, NaN)
-        return torch.from_numpy(np.argmax(logits.detach().numpy(), -1))
-    scores = logits.float() / temperature
+        return np.argmax(logits.detach().numpy()[:, -1], -1)
+    scores = logits[:, -1].float() / temperature
     if top_k is not None and 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -float("inf"))
@@ -157,4 +183,4 @@ def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int 
         remove[..., -1:] = False  # keep at least one token
         scores = scores.masked_fill(remove.scatter(-1, order, remove), -float("inf"))
     probs = scores.softmax(-1)
-    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return torch.multinomial(probs, 1, generator=gen)[:, 0].numpy()

@@ -114,9 +114,16 @@ def bind(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def inplace(ep: ExportedProgram) -> Callable[..., list[Any]]:
-    """A callable over ``ep``'s flat user inputs (``runtime_graph``, regions bound)."""
+def inplace(ep: ExportedProgram, n_weights: int = 0, n_state: int = 0,
+            memo: list[int] | None = None) -> Callable[..., list[Any]]:
+    """A callable over ``ep``'s flat inputs (``runtime_graph``, regions bound, the inputs
+    ``memo`` indexes memoized as ``aot.memo.memoize_inputs`` does)."""
+    from fxpass.backends.bpu.aot.memo import memoize_inputs
+    from fxpass.backends.bpu.aot.writes import fuse_index_writes
+
     gm = bind(runtime_graph(ep))
+    fuse_index_writes(gm)
+    memoize_inputs(gm, n_weights, n_state, memo or [])
 
     def run(*flat: Any) -> list[Any]:
         return list(gm(*flat))
