@@ -24,7 +24,13 @@ from fxpass.backends.bpu.cache import (
     region_key,
 )
 from fxpass.backends.bpu.device import quantize as Q
-from fxpass.backends.bpu.device.board import HBDK4_HELP, has_board, has_hbdk4, quantized_hbm
+from fxpass.backends.bpu.device.board import (
+    HBDK4_HELP,
+    exported_hbm,
+    has_board,
+    has_hbdk4,
+    quantized_hbm,
+)
 from fxpass.backends.bpu.device.calibration import QuantInfo, QuantizingExecutor
 from fxpass.backends.bpu.device.lowering import (
     lower,
@@ -73,12 +79,8 @@ def compile_region(
     if cfg is None and kind == "hbdnn":  # the board needs integer MAC inputs (docs/bpu-facts.md)
         cfg = Q.CONFIGS[Q.DEFAULT_CONFIG]
     if cfg is not None:
-        if keep:
-            raise NotImplementedError(
-                f"region {name}: export() of quantized regions (option 'quantize', or the "
-                "board's executor='hbdnn', which always quantizes) is not supported yet; "
-                "export with quantize=None and executor='onnxruntime'")
-        return _compile_quantizing(rg, name, key, input_names, march, kind, cfg, cache, threads)
+        return _compile_quantizing(rg, name, key, input_names, march, kind, cfg,
+                                   None if keep else cache, threads, keep)
     fuse = options.host_fusions
     rows = None if options.prepack_one_row else 1  # 1: one row reads in place
     if keep:
@@ -98,11 +100,14 @@ def _compile_quantizing(
     cfg: Q.QuantConfig,
     cache: ArtifactCache | None,
     threads: int | None,
+    keep: bool = False,
 ) -> Compiled:
     """A region that runs its float lowering on the host until ``calibrate()`` quantizes it.
 
     The float model is the plain lowering (no host fusions): the QDQ model must be the graph
     the board gets, and onnxruntime's own QDQ fusions turn it into integer kernels on the host.
+    ``keep`` (``export``): the quantized executor keeps what a package writes (the host's
+    QDQ model, or the board's ``.hbm`` built without a board, ``board.exported_hbm``).
     """
     proto = lower(rg.gm, name=name)
     data = proto.SerializeToString()
@@ -115,9 +120,12 @@ def _compile_quantizing(
     def build(digest: str, make_qdq: Any) -> tuple[Any, bool, dict]:
         qkey = quantized_key(key, cfg, digest, "fold-weights" if fold else "")
         info.key = qkey
+        if kind == "hbdnn" and keep:
+            return exported_hbm(name, march, make_qdq,
+                                lambda data: OrtExecutor(data, input_names, threads=threads))
         if kind == "hbdnn":
             return quantized_hbm(name, qkey, input_names, march, cache, make_qdq)
-        return quantized_ort(qkey, input_names, march, cache, threads, make_qdq, fold)
+        return quantized_ort(qkey, input_names, march, cache, threads, make_qdq, fold, keep)
 
     ex = QuantizingExecutor(info, proto, float_ex, cfg, build)
     return Compiled(ex, key, False, len(data))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +56,13 @@ class RegionArtifact:
 
     name: str
     key: str
-    model: Any  # onnx.ModelProto without weight data
+    model: Any  # onnx.ModelProto without weight data (a float region)
     weights: Any  # lowering.driver.Weights
     input_names: list[str]
     inputs: list[tuple[tuple[int, ...], torch.dtype]]
     outputs: list[tuple[tuple[int, ...], torch.dtype]]
+    #: a quantized region: its ``QuantizingExecutor``, whose artifact exists once calibrated
+    quantizing: Any = None
 
 
 @dataclass
@@ -119,7 +121,9 @@ def lower(
             continue
         c = mod.compiled
         art = RegionArtifact(
-            name=mod.name, key=c.key[:32], model=c.artifact[0], weights=c.artifact[1],
+            name=mod.name, key=c.key[:32], model=c.artifact[0] if c.artifact else None,
+            weights=c.artifact[1] if c.artifact else None,
+            quantizing=None if c.artifact else c.executor,
             input_names=list(c.executor.input_names),
             inputs=[(tuple(s), d) for s, d in mod.expected],
             outputs=[(tuple(s), _out_dtype(mod, i)) for i, s in enumerate(mod.out_shapes)],
@@ -273,16 +277,7 @@ class Program:
 
 def export_options(options: dict[str, Any] | None) -> Options:
     """The backend's options, validated, for a program that must stand alone."""
-    from fxpass.backends.bpu.compile import resolve_executor
-
-    opts = from_options(options)
-    if opts.quantize is not None or resolve_executor(opts.executor) != "onnxruntime":
-        raise ExportError(
-            "export() packages host (onnxruntime) regions in float only for now: quantized "
-            "regions (option 'quantize', and the board's executor='hbdnn', which always "
-            "quantizes) are not exported yet. Pass executor='onnxruntime' and no 'quantize', "
-            "or use torch.compile(model, backend='fxpass_bpu') for those")
-    return opts.replace(cache=False, tiered=False, exporting=True)
+    return from_options(options).replace(cache=False, tiered=False, exporting=True)
 
 
 def export(
@@ -291,6 +286,7 @@ def export(
     kwargs: dict[str, Any] | None = None,
     *,
     options: dict[str, Any] | None = None,
+    calibration: Sequence[Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Program:
     """Export ``model(*args, **kwargs)`` through the BPU pipeline, ahead of time.
@@ -298,19 +294,47 @@ def export(
     ``options`` are the backend's (``torch.compile(..., options=...)``); the artifact cache and
     tiered sessions do not apply (a package holds every region's model itself). Shapes are
     those of ``args``/``kwargs``: the program refuses other shapes with a clear error.
+    Quantized regions (``quantize``, or ``executor="hbdnn"``: the board's ``.hbm``) need
+    ``calibration``: inputs shaped like ``args``/``kwargs``, as ``calibrate()`` takes them (a
+    dict is keyword arguments, a tuple positional, a tensor the one argument).
     """
+    from fxpass.backends.bpu.aot import quantized
+
     opts = export_options(options)
+    batches = quantized.check_calibration(opts, calibration, "export()")
+    if batches is not None:
+        _check_like(batches, tuple(args), dict(kwargs or {}))
+    say = progress or (lambda _m: None)
     was_training = model.training
     model.eval()
     try:
-        low = lower(model, tuple(args), dict(kwargs or {}), opts, progress or (lambda _m: None))
+        low = lower(model, tuple(args), dict(kwargs or {}), opts, say)
     finally:
         model.train(was_training)
     if low.state:
         raise ExportError(
             f"the model writes {sorted(low.state)} in place; export() takes models whose calls "
             "are pure functions of their inputs. A KV cache belongs to export_for_generate")
-    return Program(low, opts)
+    program = Program(low, opts)
+    if batches is not None:
+        from fxpass.backends.bpu.device.calibration import _call
+
+        quantized.calibrate([low], lambda b: _call(program, b), batches, say)
+    return program
+
+
+def _check_like(batches: list[Any], args: tuple, kwargs: dict[str, Any]) -> None:
+    """Calibration batches shaped like the exported call, else a clear error."""
+    from fxpass.backends.bpu.device.calibration import _shape_of, check_batches
+
+    check_batches(batches)
+    b = batches[0]
+    call = (tuple(b), {}) if isinstance(b, (list, tuple)) else ((), b) if isinstance(
+        b, dict) else ((b,), {})
+    if _shape_of(call) != _shape_of((args, kwargs)):
+        raise ExportError(
+            f"calibration batches are {_shape_of(call)}, the model is exported for "
+            f"{_shape_of((args, kwargs))}: calibrate with inputs of the exported shapes")
 
 
 @dataclass
@@ -337,14 +361,21 @@ def export_for_generate(
     prefill_length: int,
     batch_size: int = 1,
     options: dict[str, Any] | None = None,
+    calibration: Sequence[torch.Tensor] | None = None,
+    calibration_tokens: int = 16,
     progress: Callable[[str], None] | None = None,
 ) -> GenerateProgram:
     """Export a decoder-only HF model for generation: transformers' own static-cache module
     (``TorchExportableModuleWithStaticCache``: the cache as buffers it writes in place),
     exported twice through the BPU pipeline: ``prefill`` takes ``prefill_length`` tokens,
     ``decode`` one. Both read and write the same cache (state shared by name in the package).
+    Quantized regions need ``calibration``: prompts (``(batch_size, tokens)`` id tensors),
+    each generated ``calibration_tokens`` tokens greedily, so prefill and decode regions
+    both see real activations.
     """
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    from fxpass.backends.bpu.aot import quantized
 
     for name, v, low in (("max_cache_len", max_cache_len, 2), ("prefill_length", prefill_length, 1),
                          ("batch_size", batch_size, 1)):
@@ -354,6 +385,7 @@ def export_for_generate(
         raise ExportError(f"export_for_generate: prefill_length {prefill_length} is longer than "
                           f"the cache ({max_cache_len}); choose prefill_length <= max_cache_len")
     opts = export_options(options)
+    prompts = quantized.check_calibration(opts, calibration, "export_for_generate()")
     say = progress or (lambda _m: None)
     gc = model.generation_config
     saved = (gc.cache_implementation, gc.use_cache, model.training)
@@ -389,4 +421,13 @@ def export_for_generate(
         "pad_token_id": getattr(gc, "pad_token_id", None),
         "model": type(model).__name__,
     }
+    if prompts is not None:
+        runner = quantized.generate_runner(pre, dec, meta)
+        room = max_cache_len - max(p.shape[-1] for p in prompts)
+        if room < 1:
+            raise ExportError("export_for_generate: a calibration prompt fills the whole cache; "
+                              "give shorter prompts")
+        n = min(calibration_tokens, room)
+        quantized.calibrate([pre, dec], lambda ids: runner.generate(ids, max_new_tokens=n),
+                            prompts, say)
     return GenerateProgram(pre, dec, opts, meta)

@@ -28,6 +28,7 @@ Dynamo trace. Calls check their inputs' shapes and dtypes against the exported o
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -164,6 +165,18 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
     regions = []
     for r in low.regions:
         say(f"writing region {r.name}")
+        specs = {
+            "name": r.name, "key": r.key, "input_names": r.input_names,
+            "inputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.inputs],
+            "outputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.outputs],
+        }
+        if r.quantizing is not None:  # its own file: the quantized weights live in it
+            from fxpass.backends.bpu.aot.quantized import region_entry
+
+            fname, data, fields = region_entry(r)
+            (tmp / fname).write_bytes(data)
+            regions.append({**specs, "model": fname, **fields})
+            continue
         layout = {}
         for wname, (dtype, _shape, array) in r.weights.items():
             layout[wname] = wf.add(array(), f"onnx:{dtype}")
@@ -172,12 +185,7 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
         point_external(model, r.weights, layout, WEIGHTS)
         fname = f"region_{r.name}.onnx"
         (tmp / fname).write_bytes(model.SerializeToString())
-        regions.append({
-            "name": r.name, "key": r.key, "executor": "onnxruntime", "model": fname,
-            "input_names": r.input_names,
-            "inputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.inputs],
-            "outputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.outputs],
-        })
+        regions.append({**specs, "executor": "onnxruntime", "model": fname})
     return {
         "file": f"{name}.pt2",
         "graph": f"{name}.graph.json",
@@ -290,9 +298,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if m not in MARCHES:
         raise PackageError(f"{mpath}: march {m!r} is not one this fxpass knows "
                            f"({sorted(MARCHES)})")
-    if ex != "onnxruntime":
-        raise PackageError(f"{mpath}: executor {ex!r} cannot run here: this loader runs "
-                           "onnxruntime (host) regions only")
+    if ex == "hbdnn" and importlib.util.find_spec("hbm_runtime") is None:
+        raise PackageError(
+            f"{mpath}: its regions are .hbm for the BPU ({m}), which only the board runtime "
+            "(`hbm_runtime`, on the RDK board image) runs: load the package on the board, or "
+            "export with executor='onnxruntime' for a host")
+    if ex not in ("onnxruntime", "hbdnn"):
+        raise PackageError(f"{mpath}: executor {ex!r} is not one this fxpass runs "
+                           "('onnxruntime' on a host, 'hbdnn' on the board)")
     return manifest
 
 
@@ -375,11 +388,6 @@ class LoadedProgram:
         once around the loop (``cpu_threads``) instead of twice per call."""
         return self.gm(*self._prefix, *inputs)
 
-    @property
-    def cpu_threads(self) -> int | None:
-        """The torch thread count this program's CPU ops run on (None: the caller's)."""
-        return self.spec.get("cpu_threads")
-
     def check(self, leaves: list[tuple[Any, Any]]) -> None:
         """Inputs of the exported count, shapes and dtypes, else a ValueError naming the one."""
         if len(leaves) != len(self._inputs):
@@ -442,10 +450,17 @@ def open_package(path: str | os.PathLike) -> Package:
     for name, spec in manifest["programs"].items():
         for r in spec["regions"]:
             model = root / r["model"]
+            board = r["executor"] == "hbdnn"
             try:
-                ex = OrtExecutor(str(model), r["input_names"])
+                if board:
+                    from fxpass.backends.bpu.device.board import HbmExecutor
+
+                    ex = HbmExecutor(str(model), r["input_names"])
+                else:
+                    ex = OrtExecutor(str(model), r["input_names"])
             except Exception as e:
-                raise PackageError(f"{model}: onnxruntime cannot open it: {e}") from e
+                raise PackageError(f"{model}: {'the board runtime' if board else 'onnxruntime'}"
+                                   f" cannot open it: {e}") from e
             expected = [torch.empty(i["shape"], dtype=_DTYPES[i["dtype"]], device="meta")
                         for i in r["inputs"]]
             outs = [(tuple(o["shape"]), _DTYPES[o["dtype"]]) for o in r["outputs"]]

@@ -119,7 +119,7 @@ class Runner:
             s.zero_()
         if streamer is not None:
             streamer.put(ids.cpu())
-        with cpu_threads(self._decode.cpu_threads):
+        with cpu_threads(self._decode.spec.get("cpu_threads")):
             return self._loop(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos,
                               pad, gen, streamer, tail)
 

@@ -37,6 +37,7 @@ class HbmExecutor:
                 "RDK board image; run on the board or use executor='onnxruntime' on a host"
             ) from e
         self.rt = HB_HBMRuntime(hbm_path)
+        self.path = hbm_path
         self.model = self.rt.model_names[0]
         self.input_names = input_names
 
@@ -86,6 +87,16 @@ def quantized_hbm(
         if c is not None:
             return c.executor, True, summary
     qdq = make_qdq()
+    summary = _board_ready(qdq, name, march)
+    c = compile_hbm(qdq, name, key, input_names, march, cache)
+    if cache is not None:
+        cache.put(key, ".quant.json", json.dumps(summary).encode())
+    return c.executor, False, summary
+
+
+def _board_ready(qdq: onnx.ModelProto, name: str, march: str) -> dict:
+    """``quantize.summarize`` of a QDQ model bound for hbdk4, after checking that every MAC op
+    is dequantized (a float one would run on the board's CPU)."""
     summary = Q.summarize(qdq, march)
     if summary["float_mac"]:
         raise Q.FloatMacError(
@@ -93,10 +104,7 @@ def quantized_hbm(
             f"on the board's CPU: {summary['float_mac'][:5]}; this is a bug in the "
             "integer-input table (quantize.INTEGER_INPUT_OPS) for this op"
         )
-    c = compile_hbm(qdq, name, key, input_names, march, cache)
-    if cache is not None:
-        cache.put(key, ".quant.json", json.dumps(summary).encode())
-    return c.executor, False, summary
+    return summary
 
 
 def compile_hbm(
@@ -122,14 +130,10 @@ def compile_hbm(
             warn_unloadable(path, e)
     if lookup_only or proto is None:
         return None
-    from hbdk4 import compiler as hb
-
-    module = hb.onnx.export(proto, name=name)
-    module = hb.convert(module, march)
     tmp = tempfile.TemporaryDirectory(prefix=f"fxpass-{name}-")
     try:
         out = os.path.join(tmp.name, f"{name}.hbm")
-        hb.compile(module, out, march, opt=2)
+        _hbdk4(proto, name, march, out)
         with open(out, "rb") as f:
             data = f.read()
         path = cache.put(key, ".hbm", data) if cache is not None else None
@@ -142,3 +146,44 @@ def compile_hbm(
         raise
     tmp.cleanup()
     return Compiled(HbmExecutor(str(path), input_names), key, False, len(data))
+
+
+def _hbdk4(proto: onnx.ModelProto, name: str, march: str, out: str) -> None:
+    """hbdk4's documented flow: ``onnx.export`` -> ``convert(march)`` -> ``compile(opt=2)``."""
+    from hbdk4 import compiler as hb
+
+    module = hb.onnx.export(proto, name=name)
+    module = hb.convert(module, march)
+    hb.compile(module, out, march, opt=2)
+
+
+class BoardArtifact:
+    """A board region built ahead of time (``export``): its ``.hbm`` bytes for the package.
+
+    A workstation that exports has hbdk4 but no board runtime, so until the package is
+    loaded on a board the region runs here as the very QDQ model hbdk4 compiled, on
+    onnxruntime (the calibration's accuracy check and the exported program's own calls);
+    the board's integer kernels may round differently in the last bit."""
+
+    kind = "hbdnn"
+
+    def __init__(self, hbm: bytes, host: Any):
+        self.hbm, self.host = hbm, host
+        self.input_names = host.input_names
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.host(*tensors)
+
+
+def exported_hbm(name: str, march: str, make_qdq: Any, host: Any) -> tuple[Any, bool, dict]:
+    """``quantized_hbm`` for ``export``: the ``.hbm`` compiled to bytes (nothing cached, no
+    board runtime needed), run meanwhile by ``host(qdq_bytes)``, a host executor of its QDQ
+    model (``BoardArtifact``)."""
+    qdq = make_qdq()
+    summary = _board_ready(qdq, name, march)
+    with tempfile.TemporaryDirectory(prefix=f"fxpass-{name}-") as tmp:
+        out = os.path.join(tmp, f"{name}.hbm")
+        _hbdk4(qdq, name, march, out)
+        with open(out, "rb") as f:
+            data = f.read()
+    return BoardArtifact(data, host(qdq.SerializeToString())), False, summary

@@ -23,7 +23,8 @@ import contextvars
 import json
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,7 @@ class QuantizingExecutor:
         self.build = build
         self.active = float_executor
         self.kind = info.target
+        self.input_names = float_executor.input_names
         self._warned = False
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -210,14 +212,9 @@ def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) 
     """
     batches = list(batches)
     check_batches(batches)
-    session = _Session()
-    token = _SESSION.set(session)
-    try:
-        with torch.no_grad():
-            for b in batches:
-                _call(model, b)
-    finally:
-        _SESSION.reset(token)
+    with recording() as session, torch.no_grad():
+        for b in batches:
+            _call(model, b)
     if not session.samples:
         raise Q.QuantizationError(
             "calibrate() ran the batches but no quantizing region ran: compile with "
@@ -225,6 +222,22 @@ def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) 
             "'w8a8'), and check with print(fxpass.compile_reports()[-1]) that regions exist "
             "(regions below min_compute_macs stay in PyTorch and need no calibration)"
         )
+    return finish(session, strict=strict)
+
+
+@contextmanager
+def recording() -> Iterator[_Session]:
+    """Inside, every quantizing region that runs records its inputs into the session."""
+    session = _Session()
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+
+
+def finish(session: _Session, *, strict: bool = False) -> list[QuantInfo]:
+    """Calibrate, quantize and switch over every region that recorded in ``session``."""
     infos = []
     for ex, s in session.samples.items():
         try:

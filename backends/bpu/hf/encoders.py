@@ -188,20 +188,25 @@ def export_for_encoder(
     *,
     buckets: dict[str, Sequence[int]],
     options: dict[str, Any] | None = None,
+    calibration: Sequence[dict[str, torch.Tensor]] | None = None,
     progress: Any = None,
 ) -> BucketProgram:
     """Export an HF encoder once per bucket (every ``batch`` x ``seq`` pair; batch 1 when no
     batch buckets are given) into one package whose programs share ``weights.bin``, so each
     weight is stored once. ``load(path)`` pads each call to its bucket and slices back, as
     :func:`compile_for_encoder` does; a size past every bucket is refused (a package never
-    compiles)."""
-    from fxpass.backends.bpu.aot.export import export_options, lower
+    compiles). Quantized regions need ``calibration``: encoder inputs (dicts of
+    ``input_ids``, ``attention_mask``, ...) of any size; each is padded to its bucket and runs
+    that bucket's program, so give inputs of every bucket's size."""
+    from fxpass.backends.bpu.aot import quantized
+    from fxpass.backends.bpu.aot.export import Program, export_options, lower
 
     spec = check_buckets(buckets)
     if "seq" not in spec:
         raise ValueError("export_for_encoder needs buckets['seq'] (the lengths to export)")
     pad_id = _pad_id(model)
     opts = export_options(options)
+    calib = quantized.check_calibration(opts, calibration, "export_for_encoder()")
     say = progress or (lambda _m: None)
     types = "token_type_ids" in inspect.signature(model.forward).parameters
     batches = spec.get("batch", [1])
@@ -221,6 +226,21 @@ def export_for_encoder(
         model.train(was)
     meta = {"buckets": {"batch": batches, "seq": spec["seq"]}, "pad_token_id": pad_id,
             "token_type_ids": types}
+    if calib is not None:
+        progs = {k: Program(low, opts) for k, low in programs.items()}
+
+        def run(kw: dict[str, torch.Tensor]) -> None:
+            kw = dict(kw)
+            if types and kw.get("token_type_ids") is None:
+                kw["token_type_ids"] = torch.zeros_like(kw["input_ids"])
+            kw, _size, over = pad_inputs(kw, spec, pad_id)
+            if over:
+                raise ValueError(f"calibration input {over} is past the largest bucket")
+            b, n = kw["input_ids"].shape
+            order = ["input_ids", "attention_mask"] + (["token_type_ids"] if types else [])
+            progs[f"b{b}_s{n}"](**{k: kw[k] for k in order})
+
+        quantized.calibrate(list(programs.values()), run, calib, say)
     return BucketProgram(programs, opts, meta)
 
 

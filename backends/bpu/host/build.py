@@ -324,9 +324,11 @@ def quantized_ort(
     threads: int | None,
     make_qdq: Any,
     fold: bool = False,
+    keep: bool = False,
 ) -> tuple[Any, bool, dict]:
     """Host session of the QDQ model (onnxruntime fuses it into integer kernels), cached.
-    ``fold``: weights dequantized once (:func:`quantize.fold_weight_dequantize`)."""
+    ``fold``: weights dequantized once (:func:`quantize.fold_weight_dequantize`). ``keep``:
+    the executor keeps the model it runs (``source``) for a package."""
     summary = cached_summary(cache, key)
     if cache is not None and summary is not None:
         data = cache.get(key, ".ort.onnx")
@@ -345,6 +347,8 @@ def quantized_ort(
             optimized = f.read()
     # which integer kernels onnxruntime fused the QDQ pattern into, on this CPU
     summary["host_integer_kernels"] = Q.integer_kernels(onnx.load_from_string(optimized))
+    if keep:
+        ex.source = data
     if cache is None:
         return ex, False, summary
     if cache.put(key, ".ort.onnx", optimized) is not None:
