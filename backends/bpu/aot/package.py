@@ -10,7 +10,8 @@ One directory::
     <program>.pt2           torch.export.save of each ExportedProgram (main, or prefill and
                             decode): the CPU ops; each region is one torch.ops.fxpass.region call
     region_<name>.onnx      each region's model for the host executor; its weights are external
-                            data in weights.bin
+                            data in weights.bin (a quantized region: its QDQ model, weights inside)
+    region_<name>.hbm       a board region's hbdk4 artifact, for the board runtime
     weights.bin             every weight once, deduplicated by content across programs and
                             regions; tensors of 64 KiB or more start on a 64 KiB boundary, so
                             onnxruntime and the loader map them from the file
