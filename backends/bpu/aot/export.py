@@ -325,12 +325,10 @@ def export(
 
 def _check_like(batches: list[Any], args: tuple, kwargs: dict[str, Any]) -> None:
     """Calibration batches shaped like the exported call, else a clear error."""
-    from fxpass.backends.bpu.device.calibration import _shape_of, check_batches
+    from fxpass.backends.bpu.device.calibration import _shape_of, call_args, check_batches
 
     check_batches(batches)
-    b = batches[0]
-    call = (tuple(b), {}) if isinstance(b, (list, tuple)) else ((), b) if isinstance(
-        b, dict) else ((b,), {})
+    call = call_args(batches[0])
     if _shape_of(call) != _shape_of((args, kwargs)):
         raise ExportError(
             f"calibration batches are {_shape_of(call)}, the model is exported for "

@@ -11,8 +11,8 @@ position and returns the stored tensors from then on: a dictionary lookup per st
 What may be memoized: pure aten ops (no mutable schema, no random op) whose only non-constant
 input is the key (weights and lifted constants are constants; state is not). Outputs returned
 to the caller or written in place are left out, and stored tensors are private copies, so no
-caller can change what a later call gets. Memory is bounded (``budget`` bytes per graph);
-past it, values are computed and not stored.
+caller can change what a later call gets. Memory is bounded (``budget`` bytes per memoized
+subgraph); past it, values are computed and not stored.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-#: a key input holds at most this many elements (a position, a chunk's positions)
-MAX_KEY_NUMEL = 256
 #: a subgraph of fewer ops is not worth a lookup
 MIN_OPS = 3
 #: stored bytes per memoized subgraph

@@ -299,6 +299,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if m not in MARCHES:
         raise PackageError(f"{mpath}: march {m!r} is not one this fxpass knows "
                            f"({sorted(MARCHES)})")
+    # board.has_board()'s test, without importing the board module (onnx, 75 ms of a load)
     if ex == "hbdnn" and importlib.util.find_spec("hbm_runtime") is None:
         raise PackageError(
             f"{mpath}: its regions are .hbm for the BPU ({m}), which only the board runtime "

@@ -79,18 +79,23 @@ class _Held:
         return tuple(self._run(*self._prefix, *inputs))
 
 
-class _HeldPackage:
-    def __init__(self, prefill: Any, decode: Any, meta: dict[str, Any]):
-        self.path, self.manifest = "<export_for_generate>", {"generate": meta}
-        self.state = {k: torch.zeros_like(t) for k, t in prefill.state.items()}
-        self.programs = {"prefill": _Held(prefill, self.state), "decode": _Held(decode, self.state)}
+class HeldPackage:
+    """Exported (not yet saved) programs in the shape a loaded ``package.Package`` has, so the
+    loaded package's runners (``Runner``, ``EncoderRunner``) drive the calibration runs."""
+
+    def __init__(self, what: str, manifest: dict[str, Any], programs: dict[str, Any],
+                 state: dict[str, torch.Tensor] | None = None):
+        self.path, self.manifest, self.programs = f"<{what}>", manifest, programs
+        self.state = state or {}
 
 
 def generate_runner(prefill: Any, decode: Any, meta: dict[str, Any]) -> Any:
     """A ``Runner`` over the exported (not yet saved) prefill and decode programs."""
     from fxpass.backends.bpu.aot.runner import Runner
 
-    return Runner(_HeldPackage(prefill, decode, meta))
+    state = {k: torch.zeros_like(t) for k, t in prefill.state.items()}
+    programs = {"prefill": _Held(prefill, state), "decode": _Held(decode, state)}
+    return Runner(HeldPackage("export_for_generate", {"generate": meta}, programs, state))
 
 
 def region_entry(r: Any) -> tuple[str, bytes, dict[str, Any]]:

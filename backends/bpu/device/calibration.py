@@ -192,12 +192,19 @@ def check_batches(batches: Sequence[Any]) -> None:
                 )
 
 
-def _call(model: Callable, batch: Any) -> Any:
+def call_args(batch: Any) -> tuple[tuple, dict[str, Any]]:
+    """A batch as a call's (args, kwargs): a dict is keyword arguments, a tuple or list
+    positional ones, anything else the one argument."""
     if isinstance(batch, dict):
-        return model(**batch)
+        return (), batch
     if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _call(model: Callable, batch: Any) -> Any:
+    args, kwargs = call_args(batch)
+    return model(*args, **kwargs)
 
 
 def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) -> list[QuantInfo]:

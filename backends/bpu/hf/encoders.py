@@ -226,21 +226,11 @@ def export_for_encoder(
         model.train(was)
     meta = {"buckets": {"batch": batches, "seq": spec["seq"]}, "pad_token_id": pad_id,
             "token_type_ids": types}
-    if calib is not None:
-        progs = {k: Program(low, opts) for k, low in programs.items()}
-
-        def run(kw: dict[str, torch.Tensor]) -> None:
-            kw = dict(kw)
-            if types and kw.get("token_type_ids") is None:
-                kw["token_type_ids"] = torch.zeros_like(kw["input_ids"])
-            kw, _size, over = pad_inputs(kw, spec, pad_id)
-            if over:
-                raise ValueError(f"calibration input {over} is past the largest bucket")
-            b, n = kw["input_ids"].shape
-            order = ["input_ids", "attention_mask"] + (["token_type_ids"] if types else [])
-            progs[f"b{b}_s{n}"](**{k: kw[k] for k in order})
-
-        quantized.calibrate(list(programs.values()), run, calib, say)
+    if calib is not None:  # each input through the bucket it pads into, as a loaded package
+        runner = EncoderRunner(quantized.HeldPackage(
+            "export_for_encoder", {"encoder": meta},
+            {k: Program(low, opts) for k, low in programs.items()}))
+        quantized.calibrate(list(programs.values()), lambda kw: runner(**kw), calib, say)
     return BucketProgram(programs, opts, meta)
 
 
