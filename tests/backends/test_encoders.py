@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxpass.backends.bpu.backend import STATS
-from fxpass.backends.bpu.hf.encoders import check_buckets, compile_for_encoder
+from fxpass.backends.bpu.hf.encoders import check_buckets, compile_for_encoder, pad_inputs
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -128,3 +128,18 @@ def test_export_for_encoder_packages_one_program_per_bucket_sharing_weights(tmp_
                 torch.testing.assert_close(a, e, **TOL)
     with pytest.raises(ValueError, match="seq 40 is past the largest exported bucket"):
         runner(**_inputs(2, 40, seed=0))
+
+
+def test_padding_masks_padded_tokens_of_real_rows_and_keeps_padded_rows_unmasked():
+    """Padded tokens of a real row are masked (a real token must not see them); padded rows
+    are all pad tokens with mask 1 (cut from the outputs, and never fully masked, which is
+    the slow path of onnxruntime's attention kernel)."""
+    kw = _inputs(3, 5, seed=0)
+    padded, size, over = pad_inputs(kw, check_buckets({"seq": [8], "batch": [4]}), pad_id=7)
+    assert size == {1: (8, 5), 0: (4, 3)} and not over
+    ids, mask, types = padded["input_ids"], padded["attention_mask"], padded["token_type_ids"]
+    assert ids.shape == mask.shape == types.shape == (4, 8)
+    assert torch.equal(ids[:3, :5], kw["input_ids"]) and (ids[:3, 5:] == 7).all()
+    assert torch.equal(mask[:3, :5], kw["attention_mask"]) and (mask[:3, 5:] == 0).all()
+    assert (ids[3] == 7).all() and (mask[3] == 1).all() and (types[3] == 0).all()
+    assert torch.equal(types[:3, :5], kw["token_type_ids"]) and (types[:3, 5:] == 0).all()
