@@ -9,8 +9,12 @@ side in one run.
 
 Per contender: the first pass over all inputs (compiles included) and the warm second pass
 (median of 3), Dynamo graphs, fxpass variants compiled, recompile warnings, and whether
-every output equals eager's (rtol = atol = 1e-4). ``fxpass-buckets`` is
-``compile_for_encoder(buckets={"seq": [32, 64, 96, 128], "batch": [4]})`` (BERT only).
+every output equals eager's (rtol = atol = 1e-4), and ``work``: the tokens computed over the
+tokens given (what padding adds). ``fxpass`` is the default bound of 8 variants,
+``fxpass-exact`` a bound as large as the inputs (every shape compiled once, none padded: the
+executor's own speed). BERT only: ``fxpass-buckets`` is ``compile_for_encoder`` with
+``{"seq": [32, 64, 96, 128], "batch": [4]}`` (every batch padded to 4 rows), ``fxpass-rows``
+the same lengths with ``"batch": [1]`` (each row run alone); 4 variants each.
 Memory: resident set size over ``--memory-lengths`` distinct lengths without buckets, sampled
 every 20 calls, lengths in a seeded random order. Inductor's and fxpass's caches start empty
 (a temporary directory each).
@@ -35,6 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 LENGTHS = [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128]
 SIZES = [64, 96, 128, 160, 192, 224]
+# at most 4 variants for the 16 BERT inputs: pad every batch to 4 rows, or run each row alone
+SPECS = {
+    "fxpass-buckets": {"seq": [32, 64, 96, 128], "batch": [4]},
+    "fxpass-rows": {"seq": [32, 64, 96, 128], "batch": [1]},
+}
 
 
 def _bert() -> torch.nn.Module:
@@ -115,14 +124,33 @@ def run_case(case: str) -> dict:
         "inductor": lambda: torch.compile(base(), backend="inductor"),
         "fxpass": lambda: torch.compile(base(), backend="fxpass_bpu"),
     }
+    makers["fxpass-exact"] = lambda: torch.compile(
+        base(), backend="fxpass_bpu", options={"max_shape_variants": len(inputs)})
     if case == "bert":
-        makers["fxpass-buckets"] = lambda: compile_for_encoder(
-            base(), buckets={"seq": [32, 64, 96, 128], "batch": [4]})
+        for name, spec in SPECS.items():
+            makers[name] = lambda spec=spec: compile_for_encoder(base(), buckets=spec)
     rows = []
     for name, make in makers.items():
         print(f"[shapes] {case} {name} ...", file=sys.stderr, flush=True)
         rows.append(_contender(name, make, inputs, refs))
+        rows[-1]["work"] = _work(SPECS.get(name), inputs) if case == "bert" else 1.0
     return {"case": case, "inputs": len(inputs), "rows": rows}
+
+
+def _work(spec: dict | None, inputs: list[dict]) -> float:
+    """Tokens computed over tokens given: what bucket padding adds (1.0 without buckets)."""
+    from fxpass.backends.bpu.hf.encoders import _pick
+
+    if spec is None:
+        return 1.0
+    real = padded = 0
+    for kw in inputs:
+        b, n = kw["input_ids"].shape
+        top = spec["batch"][-1]
+        chunks = [min(top, b - i) for i in range(0, b, top)]
+        padded += sum(_pick(spec["batch"], c) for c in chunks) * _pick(spec["seq"], n)
+        real += b * n
+    return padded / real
 
 
 def _rss_mb() -> float:
@@ -168,6 +196,7 @@ def to_markdown(data: dict[str, Any]) -> str:
             "warm vs eager": f"{r['warm_pass_s'] / eag['warm_pass_s']:.2f}x",
             "Dynamo graphs": r["dynamo_graphs"], "fxpass variants": r["fxpass_variants"],
             "recompile warnings": r["recompile_warnings"], "equal eager": r["equal_eager"],
+            "work": f"{r.get('work', 1.0):.2f}x",
         } for r in c["rows"]]
         parts.append(harness.markdown_table(rows, list(rows[0])))
     if data.get("memory"):

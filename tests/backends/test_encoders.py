@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from fxpass.backends.bpu.backend import STATS
-from fxpass.backends.bpu.hf.encoders import check_buckets, compile_for_encoder, pad_inputs
+from fxpass.backends.bpu.hf.encoders import (
+    by_rows,
+    check_buckets,
+    compile_for_encoder,
+    pad_inputs,
+)
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -121,7 +126,7 @@ def test_export_for_encoder_packages_one_program_per_bucket_sharing_weights(tmp_
     runner = load(path)
     assert set(runner.package.programs) == {"b2_s16", "b2_s32"}
     with torch.no_grad():
-        for b, n in ((1, 5), (2, 20), (2, 32)):
+        for b, n in ((1, 5), (2, 20), (2, 32), (5, 20)):  # 5 rows: chunks of 2, 2, 1 (padded)
             kw = _inputs(b, n, seed=n)
             got, ref = runner(**kw), eager(**kw)
             for e, a in zip(_tensors(ref), _tensors(got), strict=True):
@@ -143,3 +148,34 @@ def test_padding_masks_padded_tokens_of_real_rows_and_keeps_padded_rows_unmasked
     assert torch.equal(mask[:3, :5], kw["attention_mask"]) and (mask[:3, 5:] == 0).all()
     assert (ids[3] == 7).all() and (mask[3] == 1).all() and (types[3] == 0).all()
     assert torch.equal(types[:3, :5], kw["token_type_ids"]) and (types[:3, 5:] == 0).all()
+
+
+def test_a_batch_past_the_largest_batch_bucket_runs_in_chunks_of_it(opts):
+    """Rows never mix, so 5 rows with ``batch: [2]`` run as 2 + 2 + 1 (padded to 2) through the
+    one compiled variant, joined back: eager's values, no warning, no new variant."""
+    torch._dynamo.reset()
+    eager = _encoder("bert")
+    model = compile_for_encoder(_encoder("bert"), buckets={"seq": [16], "batch": [2]},
+                                options=opts)
+    made = STATS["shape_variants"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b, n in ((2, 9), (5, 12), (1, 16)):
+            kw = _inputs(b, n, seed=b)
+            kw["output_hidden_states"] = True  # a tuple of per-layer tensors is joined too
+            ref, got = eager(**kw), model(**kw)
+            assert len(got.hidden_states) == len(ref.hidden_states)
+            for e, a in zip(ref.hidden_states, got.hidden_states, strict=True):
+                torch.testing.assert_close(a, e, **TOL)
+            for e, a in zip(_tensors(ref), _tensors(got), strict=True):
+                torch.testing.assert_close(a, e, **TOL)
+    assert STATS["shape_variants"] - made == 1
+
+
+def test_chunks_whose_output_has_no_row_dimension_are_refused():
+    """A loss (0-dim) of each chunk cannot be joined into the batch's: refused, with the fix."""
+    kw = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match="no row dimension.*batch bucket >= 3"):
+        by_rows(lambda kw: {"loss": torch.tensor(1.0)}, kw, {"batch": [2]})
+    joined = by_rows(lambda kw: (kw["input_ids"] + 1, None), kw, {"batch": [2]})
+    assert torch.equal(joined[0], torch.ones(3, 4, dtype=torch.long)) and joined[1] is None

@@ -19,7 +19,8 @@ encoders (BERT, RoBERTa, DistilBERT, and models of their shape):
 - Outputs are sliced back: every tensor whose sequence (or batch) dimension is the padded
   size, attentions in both their last two dimensions.
 
-A length (or batch) past the largest bucket is compiled at its exact size, with one warning.
+A length past the largest bucket is compiled at its exact size, with one warning; a batch past
+the largest ``batch`` bucket runs in chunks of that many rows (:func:`by_rows`).
 The compiled forward uses ``dynamic=True``: one Dynamo graph, a static variant per bucket.
 """
 
@@ -29,7 +30,7 @@ import bisect
 import functools
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +147,50 @@ def pad_inputs(
     return kw, size, over
 
 
+def by_rows(call: Callable[[dict[str, Any]], Any], kw: dict[str, Any],
+            spec: dict[str, list[int]]) -> Any:
+    """``call(kw)``; a batch past the largest ``batch`` bucket runs in chunks of that many rows
+    (the last one padded to its bucket), the outputs joined along the rows.
+
+    Why: rows never mix in an encoder, so a chunked batch gives each row what the whole batch
+    would, through the variants already compiled. (A longer *sequence* cannot be split.) With
+    ``"batch": [1]`` every row runs alone: no padded rows are computed, at one call per row."""
+    top = spec.get("batch", [0])[-1]
+    rows = kw["input_ids"].shape[0]
+    if not top or rows <= top:
+        return call(kw)
+    parts = [call({k: v[i:i + top] if _rowwise(v, rows) else v for k, v in kw.items()})
+             for i in range(0, rows, top)]
+    return _join(parts, rows, top)
+
+
+def _rowwise(v: Any, rows: int) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows
+
+
+def _join(parts: list[Any], rows: int, top: int) -> Any:
+    """Chunk outputs joined along dim 0 (tensors, tuples, lists, HF ModelOutputs)."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise ValueError(
+                f"a batch of {rows} rows runs in chunks of the largest batch bucket ({top}), "
+                "but the model returned a value with no row dimension (a loss?), which chunks "
+                f"cannot be joined into; add a batch bucket >= {rows}, or drop the labels")
+        return torch.cat(parts, 0)
+    if isinstance(first, tuple) and not hasattr(first, "_fields"):
+        return tuple(_join(list(p), rows, top) for p in zip(*parts, strict=True))
+    if isinstance(first, list):
+        return [_join(list(p), rows, top) for p in zip(*parts, strict=True)]
+    if hasattr(first, "keys") and hasattr(first, "__setitem__"):  # HF ModelOutput
+        for k in list(first.keys()):
+            first[k] = _join([p[k] for p in parts], rows, top)
+        return first
+    return first
+
+
 def compile_for_encoder(
     model: torch.nn.Module,
     *,
@@ -160,22 +205,30 @@ def compile_for_encoder(
     compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=True,
                              options=dict(options or {}))
     warned: set[str] = set()
+    sig = inspect.signature(forward)  # once: building it costs ~20 µs a call
+    var_kw = [p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
 
     @functools.wraps(forward)
     def padded_forward(*args: Any, **kwargs: Any) -> Any:
-        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+        bound = sig.bind_partial(*args, **kwargs)
         kw = dict(bound.arguments)
+        for name in var_kw:  # ``**kwargs`` (output_hidden_states, ...) passed on as given
+            kw.update(kw.pop(name, {}))
         if not isinstance(kw.get("input_ids"), torch.Tensor) or kw["input_ids"].dim() != 2:
             return compiled(*args, **kwargs)  # inputs_embeds or odd input: as compiled
-        kw, size, over = pad_inputs(kw, spec, pad_id)
-        for name, real in over.items():
-            if name not in warned:
-                warned.add(name)
-                warnings.warn(
-                    f"fxpass_bpu: {name} {real} is past the largest bucket "
-                    f"({spec[name][-1]}); it gets its own exact-size variant (add a larger "
-                    f"bucket to buckets[{name!r}] to share one)", stacklevel=2)
-        return _slice(compiled(**kw), size)
+
+        def bucketed(kw: dict[str, Any]) -> Any:
+            kw, size, over = pad_inputs(kw, spec, pad_id)
+            for name, real in over.items():
+                if name not in warned:
+                    warned.add(name)
+                    warnings.warn(
+                        f"fxpass_bpu: {name} {real} is past the largest bucket "
+                        f"({spec[name][-1]}); it gets its own exact-size variant (add a larger "
+                        f"bucket to buckets[{name!r}] to share one)", stacklevel=4)
+            return _slice(compiled(**kw), size)
+
+        return by_rows(bucketed, kw, spec)
 
     model.forward = padded_forward
     return model
@@ -264,6 +317,9 @@ class EncoderRunner:
         if self.types:
             kw["token_type_ids"] = (token_type_ids if token_type_ids is not None
                                     else torch.zeros_like(input_ids))
+        return by_rows(self._bucketed, kw, self.spec)
+
+    def _bucketed(self, kw: dict[str, Any]) -> Any:
         kw, size, over = pad_inputs(kw, self.spec, self.pad_id)
         if over:
             name, real = next(iter(over.items()))
