@@ -31,8 +31,10 @@ SUITE: list[tuple[str, str, int, str]] = [
      "breakdown splits a fxpass decode step into region, wrappers and HF's loop."),
     ("shapes", "shapes", 40,
      "16 BERT inputs (lengths 8-128, batch 1-4) and 6 ResNet image sizes: first pass with "
-     "compiles, warm pass (median of 3), Dynamo graphs, fxpass variants compiled, recompile "
-     "warnings, values against eager. The memory table is RSS over distinct lengths past the "
+     "compiles, warm pass after the background builds settle (median of 3), Dynamo graphs, "
+     "fxpass variants compiled, recompile warnings, values against eager, and work (tokens "
+     "computed over tokens given: what padding adds). fxpass-exact is fxpass with a variant "
+     "bound as large as the inputs (no padding, no eviction). The memory table is RSS over distinct lengths past the "
      "variant bound. See docs/shapes.md."),
     ("prompt_lengths", "prompt_lengths", 20,
      "generate() over twelve prompt lengths as a chat sends them: graphs compiled and the first "
