@@ -34,8 +34,8 @@ SUITE: list[tuple[str, str, int, str]] = [
      "compiles, warm pass after the background builds settle (median of 3), Dynamo graphs, "
      "fxpass variants compiled, recompile warnings, values against eager, and work (tokens "
      "computed over tokens given: what padding adds). fxpass-exact is fxpass with a variant "
-     "bound as large as the inputs (no padding, no eviction). The memory table is RSS over distinct lengths past the "
-     "variant bound. See docs/shapes.md."),
+     "bound as large as the inputs (no padding, no eviction). The memory table is RSS over "
+     "distinct lengths past the variant bound. See docs/shapes.md."),
     ("prompt_lengths", "prompt_lengths", 20,
      "generate() over twelve prompt lengths as a chat sends them: graphs compiled and the first "
      "pass with compiles, chunked prefill against one compile per exact length."),
