@@ -140,19 +140,17 @@ def run_case(case: str) -> dict:
 
 
 def _work(spec: dict | None, inputs: list[dict]) -> float:
-    """Tokens computed over tokens given: what bucket padding adds (1.0 without buckets)."""
-    from fxpass.backends.bpu.hf.encoders import _pick
+    """Tokens computed over tokens given: what bucket padding adds (1.0 without buckets).
+    Counted through ``by_rows`` and ``pad_inputs`` themselves, so it is what the runs do."""
+    from fxpass.backends.bpu.hf.encoders import by_rows, pad_inputs
 
     if spec is None:
         return 1.0
-    real = padded = 0
+    padded: list[int] = []
     for kw in inputs:
-        b, n = kw["input_ids"].shape
-        top = spec["batch"][-1]
-        chunks = [min(top, b - i) for i in range(0, b, top)]
-        padded += sum(_pick(spec["batch"], c) for c in chunks) * _pick(spec["seq"], n)
-        real += b * n
-    return padded / real
+        by_rows(lambda kw: padded.append(pad_inputs(kw, spec, 0)[0]["input_ids"].numel()),
+                kw, spec)
+    return sum(padded) / sum(kw["input_ids"].numel() for kw in inputs)
 
 
 def _rss_mb() -> float:
