@@ -7,10 +7,13 @@ pattern functions trace an example instead; so does this:
 
 - ``fn``'s tensor parameters become ``Var``s of their names; parameters named in ``nums``
   become ``Num``s (traced with a sentinel value that must reach the graph as a constant);
-- the trace (``make_fx`` on fake copies of the examples) is normalized by the node rules of a
-  target (``bpu`` by default: scalar overloads, aliases, CSE, ...), so that it is the form the
-  rules leave in a real graph: ``x ** 2``, ``x ** 2.0`` and ``x * x`` all become one spelling
-  where a canonical rule exists;
+- the trace (``make_fx`` on fake copies of the examples, :func:`fxpass.tracing.trace`) is
+  normalized by the node rules of the caller's ``target`` (or by ``rules``), so that it is the
+  form the rules leave in a real graph: ``x ** 2``, ``x ** 2.0`` and ``x * x`` all become one
+  spelling where a canonical rule exists. The core names no backend, so there is no default;
+- the trace and its normalization run under :func:`fxpass.tracing.clean_mode`: a plugin module
+  calling ``pattern_from`` builds the same pattern whether it is first imported at top level or
+  inside ``torch.compile`` (where Dynamo's fake mode would otherwise be picked up);
 - several examples (other shapes, other dtypes) are traced and merged: constants that differ
   become ``ANY`` (the pattern is shape-generic where the function is), graphs that differ
   become alternatives (``Or``): a bf16 trace with its casts beside the float32 one;
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .pattern import ANY, Num, Or, P, Var
+from .matching import ANY, Num, Or, P, Var
+from .tracing import clean_mode, trace
 
 #: sentinel values for ``Num`` parameters: odd enough never to occur in a function by chance
 _SENTINEL = 0.7853981633974483  # pi / 4
@@ -35,8 +39,6 @@ _SENTINEL = 0.7853981633974483  # pi / 4
 
 def _trace(fn: Callable, names: list[str], nums: Sequence[str],
            example: Sequence[torch.Tensor]) -> tuple[GraphModule, dict[float, str]]:
-    from fxpass.testing import trace
-
     sentinels = {_SENTINEL + 1e-3 * i: n for i, n in enumerate(nums)}
     by_name = {n: v for v, n in sentinels.items()}
     tensor_names = [n for n in names if n not in nums]
@@ -53,8 +55,9 @@ def _trace(fn: Callable, names: list[str], nums: Sequence[str],
 
 
 def _normalize(gm: GraphModule, target: str | None, rules: Iterable[Any] | None) -> None:
-    from fxpass.passmanager import PassManager
-    from fxpass.plugins import select_rules
+    # imported here: the pass manager and the plugin registry are only needed to normalize
+    from .passmanager import PassManager
+    from .plugins import select_rules
 
     chosen = list(rules) if rules is not None else [
         r for r in select_rules(target=target) if not r.graph_level]
@@ -130,13 +133,25 @@ def pattern_from(
     fn: Callable[..., torch.Tensor],
     *examples: Sequence[torch.Tensor],
     nums: Sequence[str] = (),
-    target: str | None = "bpu",
+    target: str | None = None,
     rules: Iterable[Any] | None = None,
 ) -> P | Or:
     """The aten pattern of ``fn`` traced on ``examples`` (each a tuple of tensors, one per
-    tensor parameter of ``fn``), normalized by ``target``'s node rules (or ``rules``)."""
+    tensor parameter of ``fn``), normalized by ``target``'s node rules (or by ``rules``).
+
+    One of ``target`` and ``rules`` is required: the pattern must be in the form the rules that
+    run before it leave, and only the caller knows which those are (``rules=[]``: the raw
+    trace). ``target=`` loads the plugin registry; called while a plugin module imports, that
+    registry has every plugin but the importing one (:mod:`fxpass.plugins`): right for a
+    third-party rule normalized by another plugin's target, not for a built-in rule, whose own
+    package is then the missing plugin (``rules/rms_norm.py`` passes ``rules=``)."""
     if not examples:
         raise TypeError("pattern_from needs at least one example: a tuple of tensors")
+    if (target is None) == (rules is None):
+        raise TypeError(
+            "pattern_from needs exactly one of target= (the target whose node rules normalize "
+            "the trace, e.g. target='bpu') and rules= (those rules themselves; rules=[] for the "
+            f"raw trace); got target={target!r}, rules={rules!r}")
     names = list(inspect.signature(fn).parameters)
     unknown = [n for n in nums if n not in names]
     if unknown:
@@ -145,8 +160,9 @@ def pattern_from(
     merged: Any = None
     for ex in examples:
         ex = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
-        gm, sentinels = _trace(fn, names, nums, ex)
-        _normalize(gm, target, rules)
+        with clean_mode():  # the rules' fake-tensor work too, not only the trace
+            gm, sentinels = _trace(fn, names, nums, ex)
+            _normalize(gm, target, rules)
         tree = _tree(gm, names, sentinels)
         merged = tree if merged is None else _merge(merged, tree)
     return merged

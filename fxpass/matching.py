@@ -1,4 +1,10 @@
-"""The matcher behind :mod:`fxpass.pattern`: a pattern tree against a node, top-down.
+"""The pattern language of :mod:`fxpass.pattern` (``P``, ``Var``, ``Num``, ``ANY``, ``Or``,
+``Maybe``, ``Multi``, ``Match``) and its matcher: a pattern tree against a node, top-down.
+
+One module for both because each needs the other (a pattern's ``match`` runs the matcher, the
+matcher dispatches on the pattern classes): split, they were an import circle.
+:mod:`fxpass.pattern` is the public face (it re-exports these and adds ``pattern_rule`` and
+``pattern_from``); import from there.
 
 Arguments are compared after filling in the schema's defaults (strict by construction); every
 inner node must be pure and used only inside the match unless ``shared``; ``Or`` tries its
@@ -16,7 +22,183 @@ import torch
 from torch.fx import Node
 
 from .graph import is_pure, writes
-from .pattern import _NO_DEFAULT, ANY, Match, Multi, Num, Or, P, Var, _Any
+
+_NO_DEFAULT = object()
+
+
+class _Any:
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY = _Any()
+
+
+@dataclass(frozen=True)
+class Var:
+    """Binds any value under ``name``; ``dtype`` (one or a tuple) also requires a tensor of it."""
+
+    name: str
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"Var({self.name!r})" if self.dtype is None else f"Var({self.name!r}, {self.dtype})"
+
+
+@dataclass(frozen=True)
+class Num:
+    """Binds a Python int or float (not a bool, not a tensor) under ``name``."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"Num({self.name!r})"
+
+
+def _overloads(t: Any) -> tuple[Any, ...]:
+    if isinstance(t, (tuple, list, set, frozenset)):
+        return tuple(o for x in t for o in _overloads(x))
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return tuple(getattr(t, name) for name in t.overloads())
+    return (t,)
+
+
+class _Rooted:
+    """``match``/``explain`` at a node, for every pattern that can be a rule's root."""
+
+    def match(self, node: Node) -> Match | None:
+        """The match rooted at ``node``, or None (see :meth:`explain` for why not)."""
+        m, _, _ = _match_root(self, node)
+        return m
+
+    def explain(self, node: Node) -> str | None:
+        """Why the pattern does not match at ``node`` (None if it does)."""
+        _, why, _ = _match_root(self, node)
+        return why
+
+
+class P(_Rooted):
+    """An op node pattern (see :mod:`fxpass.pattern` for the language)."""
+
+    def __init__(
+        self,
+        target: Any,
+        *args: Any,
+        name: str | None = None,
+        shared: bool = False,
+        commute: bool = False,
+        **kwargs: Any,
+    ):
+        self.targets = _overloads(target)
+        if not self.targets:
+            raise ValueError(f"P({target!r}): no op overloads to match")
+        self.args, self.kwargs = args, kwargs
+        self.name, self.shared, self.commute = name, shared, commute
+        if commute and len(args) < 2:
+            raise ValueError("P(commute=True) needs at least two positional arguments")
+        self._ids = frozenset(id(t) for t in self.targets)
+
+    def __repr__(self) -> str:
+        t = self.targets[0] if len(self.targets) == 1 else list(self.targets)
+        flags = [f"name={self.name!r}"] if self.name is not None else []
+        flags += [f"{f}=True" for f in ("shared", "commute") if getattr(self, f)]
+        inner = ", ".join(
+            [repr(a) for a in self.args]
+            + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+            + flags  # every flag: a failing pattern must show the one at fault
+        )
+        return f"P({t}{', ' if inner else ''}{inner})"
+
+    def nodes(self) -> list[P]:
+        """This pattern and every op pattern below it, root first."""
+        out: list[P] = [self]
+        for a in (*self.args, *self.kwargs.values()):
+            for x in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(x, (P, Or)):
+                    out.extend(x.nodes())
+        return out
+
+
+class Or(_Rooted):
+    """Matches if one of ``alternatives`` does (tried in order; the first match's bindings
+    are kept). A ``Var`` bound in only some alternatives may be missing from the match: test
+    ``"name" in m.bindings``. At the root, the rule is indexed by every alternative's root."""
+
+    def __init__(self, *alternatives: Any):
+        if len(alternatives) < 2:
+            raise ValueError("Or(...) needs at least two alternatives")
+        self.alternatives = alternatives
+
+    @property
+    def targets(self) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for a in self.alternatives:
+            for t in getattr(a, "targets", ()):
+                if t not in out:
+                    out.append(t)
+        return tuple(out)
+
+    def nodes(self) -> list[P]:
+        return [n for a in self.alternatives if isinstance(a, (P, Or)) for n in a.nodes()]
+
+    def __repr__(self) -> str:
+        return f"Or({', '.join(repr(a) for a in self.alternatives)})"
+
+
+def Maybe(target: Any, inner: Any, *args: Any, **kwargs: Any) -> Or:  # noqa: N802
+    """``inner``, or ``inner`` wrapped in one ``target`` node (a cast that may or may not be
+    there): ``Maybe(aten._to_copy.default, P(...), dtype=ANY)``."""
+    return Or(P(target, inner, *args, **kwargs), inner)
+
+
+class Multi(_Rooted):
+    """Several roots matched together (a multi-output pattern): ``Multi(p0, p1, ...)``.
+
+    The rule is indexed by ``p0``'s targets; each further root is looked for among the users
+    of the nodes matched or bound so far, with the same bindings (a ``Var`` named in two roots
+    is one value). The single-use rule covers the whole match: an inner node may be used by
+    any node of any root, by nothing else. The rewrite returns one replacement per root (a
+    tuple, in order), built before the earliest root."""
+
+    def __init__(self, *roots: P):
+        if len(roots) < 2 or not all(isinstance(r, P) for r in roots):
+            raise ValueError("Multi(...) takes two or more P(...) roots")
+        self.roots = roots
+
+    @property
+    def targets(self) -> tuple[Any, ...]:
+        return self.roots[0].targets
+
+    def nodes(self) -> list[P]:
+        return [n for r in self.roots for n in r.nodes()]
+
+    def __repr__(self) -> str:
+        return f"Multi({', '.join(repr(r) for r in self.roots)})"
+
+
+class Match:
+    """Bindings by name (``m.x``), the root node (``m.root``; every root of a ``Multi`` in
+    ``m.roots``) and every matched node."""
+
+    def __init__(self, root: Node, bindings: dict[str, Any], nodes: list[Node],
+                 roots: list[Node] | None = None):
+        self.root, self.bindings, self.nodes = root, bindings, nodes
+        self.roots = roots or [root]
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["bindings"][key]
+        except KeyError:
+            raise AttributeError(
+                f"pattern has no binding {key!r}; bound: {sorted(self.__dict__['bindings'])}"
+            ) from None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.bindings[key]
+
+    def __repr__(self) -> str:
+        return f"Match(root={self.root.name}, {self.bindings})"
+
 
 
 @dataclass
@@ -43,7 +225,47 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _match_value(pat: Any, v: Any, st: _State, where: str) -> str | None:
+def _equal_numbers(a: Any, b: Any) -> bool:
+    """An int and a float of one value (``3`` and ``3.0``; never a bool, which reads as a flag)."""
+    kinds = (type(a), type(b))
+    return kinds in ((int, float), (float, int)) and a == b
+
+
+def _promotion(owner: Node, argname: str) -> str | None:
+    """Why an int and a float of one value can give ``owner`` different results as its argument
+    ``argname``; None where they cannot, and the pattern's number matches either spelling.
+
+    They cannot where the schema declares the argument ``float`` (an int is converted before the
+    op sees it), or where one of the node's tensor inputs is floating point or complex: a
+    Python number then never changes the result's dtype (tensors win type promotion within a
+    category, and float is the highest a Python int or float reaches), and it is converted to
+    that dtype before use, so ``x + 3`` and ``x + 3.0`` on a float ``x`` compute the same. On
+    integer or bool tensors ``x + 3.0`` is a float tensor and ``x + 3`` is not: distinct.
+    Without a schema (``operator.*`` on sizes) the types stay strict."""
+    schema = getattr(owner.target, "_schema", None)
+    if schema is None:
+        return f"{owner.name} ({owner.target}) has no schema to say the number's type is moot"
+    arg = next((a for a in schema.arguments if a.name == argname), None)
+    kind = arg.type if arg is not None else None
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    if isinstance(kind, torch.FloatType):
+        return None
+    dtypes = [v.dtype for n in owner.all_input_nodes
+              if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    if any(d.is_floating_point or d.is_complex for d in dtypes):
+        return None
+    got = ", ".join(str(d) for d in dtypes) if dtypes else "none with a known dtype"
+    return (f"the number's type matters here: {owner.name}'s tensor inputs are not floating "
+            f"point ({got}), so an int and a float give results of different dtypes (type "
+            f"promotion)")
+
+
+def _match_value(
+    pat: Any, v: Any, st: _State, where: str, owner: tuple[Node, str] | None = None
+) -> str | None:
+    """Match ``pat`` against ``v``; ``owner`` is (the node, the argument name) ``v`` fills, for
+    comparing a number of the pattern with one of another type (:func:`_promotion`)."""
     if pat is ANY:
         return None
     if isinstance(pat, P):
@@ -52,7 +274,7 @@ def _match_value(pat: Any, v: Any, st: _State, where: str) -> str | None:
         whys = []
         for alt in pat.alternatives:
             saved = (dict(st.bindings), list(st.nodes), st.depth)
-            why = _match_value(alt, v, st, where)
+            why = _match_value(alt, v, st, where, owner)
             if why is None:
                 return None
             whys.append(why)
@@ -63,7 +285,7 @@ def _match_value(pat: Any, v: Any, st: _State, where: str) -> str | None:
         if not isinstance(v, (list, tuple)) or len(v) != len(pat):
             return f"{where}: wants a list of {len(pat)}, got {_label(v)}"
         for i, (p, x) in enumerate(zip(pat, v, strict=True)):
-            why = _match_value(p, x, st, f"{where}[{i}]")
+            why = _match_value(p, x, st, f"{where}[{i}]", owner)
             if why is not None:
                 return why
         return None
@@ -87,9 +309,12 @@ def _match_value(pat: Any, v: Any, st: _State, where: str) -> str | None:
             return None
         st.bindings[pat.name] = v
         return None
-    if not _same(pat, v):
-        return f"{where}: wants {pat!r}, got {_label(v)}"
-    return None
+    if _same(pat, v):
+        return None
+    if _equal_numbers(pat, v):
+        why = _promotion(*owner) if owner is not None else "not an argument of an op"
+        return None if why is None else f"{where}: wants {pat!r}, got {v!r}: {why}"
+    return f"{where}: wants {pat!r}, got {_label(v)}"
 
 
 def _normalized(pat: P, node: Node) -> tuple[list[tuple[str, Any, Any]], str | None]:
@@ -145,7 +370,7 @@ def _match_op(pat: P, v: Any, st: _State, where: str) -> str | None:
     for order in orders:
         saved = (dict(st.bindings), list(st.nodes), st.depth)
         for argname, p, val in order:
-            why = _match_value(p, val, st, f"{argname} of {v.name}")
+            why = _match_value(p, val, st, f"{argname} of {v.name}", (v, argname))
             if why is not None:
                 break
         else:

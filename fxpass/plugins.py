@@ -14,6 +14,14 @@ with a :class:`PluginLoadWarning` naming its distribution and entry point, and r
 ``Registry.failures``. Two plugins registering the same rule or target name remain an error:
 which one the user meant is ambiguous.
 
+Where a plugin is first imported must not change what it contributes: the registry is often
+first loaded inside ``torch.compile`` (the backend selects its rules there), under Dynamo's
+tracing context and fake mode. Plugins are imported and their hooks called under
+:func:`fxpass.tracing.clean_mode`, so a module that traces at import (``pattern_from``) or builds
+constant tensors gets real tensors and a fresh fake mode, as at top level. A plugin module that
+itself loads the registry while it imports (``pattern_from(..., target=...)`` does) gets every
+plugin but itself (half imported, it has no hooks yet); that inner registry is not cached.
+
 Switching plugins off: ``FXPASS_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the ``fxpass``
 distribution's own entry points (``builtin_rules``, ``bpu``); ``FXPASS_BLOCK_PLUGINS=a,b`` and
 ``fxpass.load(block=("a", "b"))`` skip plugins by entry point name (an unknown name warns,
@@ -25,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +44,7 @@ import pluggy
 
 from . import env
 from .rule import Rule
+from .tracing import clean_mode
 
 GROUP = "fxpass"
 hookspec = pluggy.HookspecMarker(GROUP)
@@ -160,6 +170,9 @@ def _add(table: dict[str, Any], what: str, items: Iterable[Any], source: str) ->
 
 
 _cache: dict[tuple[bool, frozenset[str]], Registry] = {}  # per (autoload off, blocked)
+#: per thread: how many load() calls are running (more than one: a plugin loading the registry
+#: while it is imported, whose registry lacks that plugin and must not be cached)
+_loading = threading.local()
 _HOOKS = (("fxpass_rules", Rule), ("fxpass_targets", Target), ("fxpass_commands", Command))
 
 
@@ -222,7 +235,7 @@ def _fail(reg: Registry, source: str, where: str, what: str, e: BaseException) -
     warnings.warn(
         f"fxpass plugin {where} {what} and was skipped: {detail}",
         PluginLoadWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -244,6 +257,23 @@ def load(
     extra = list(extra)
     if key in _cache and not extra:
         return _cache[key]
+    depth = getattr(_loading, "depth", 0)
+    _loading.depth = depth + 1
+    try:
+        with clean_mode():
+            reg = _load(autoload_off, blocked, blocked_arg, blocked_env, extra)
+    finally:
+        _loading.depth = depth
+    if not extra and depth == 0:
+        _cache[key] = reg
+    return reg
+
+
+def _load(
+    autoload_off: bool, blocked: set[str], blocked_arg: list[str], blocked_env: list[str],
+    extra: list[Any],
+) -> Registry:
+    """One discovery (see :func:`load`): import the entry points, register and call hooks."""
     pm = _Manager(GROUP)
     pm.add_hookspecs(Hooks)
     reg = Registry()
@@ -259,7 +289,7 @@ def load(
                 f"{how} names no installed fxpass plugin: {unknown}; known plugin entry "
                 f"points: {known}",
                 PluginLoadWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     sources: list[tuple[Any, str, str]] = []
     for ep in eps:
@@ -288,8 +318,6 @@ def load(
         reg.add_rules(rules, source)  # duplicate names across plugins: a ValueError, as before
         reg.add_targets(targets, source)
         reg.add_commands(commands, source)
-    if not extra:
-        _cache[key] = reg
     return reg
 
 

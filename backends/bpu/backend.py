@@ -40,6 +40,7 @@ from fxpass.backends.bpu.report import REPORTS, GraphReport, RegionReport
 from fxpass.backends.bpu.runtime import RegionCall, TorchThreads
 from fxpass.graph import is_static
 from fxpass.passmanager import PassManager
+from fxpass.plugins import load as load_plugins
 from fxpass.plugins import select_rules
 
 log = logging.getLogger("fxpass.bpu")
@@ -167,6 +168,12 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
     rules = select_rules(
         target="bpu", enable=opts.enable, disable=opts.disable, only=opts.only
     )
+    # a plugin that failed to load took its rules with it: never only a warning on stderr
+    if failed := "; ".join(f"{s}: {e}" for s, e in load_plugins().failures):
+        if opts.strict:
+            raise RuntimeError(f"fxpass_bpu: plugin(s) failed to load, their rules are missing: "
+                               f"{failed} (strict=True; FXPASS_BLOCK_PLUGINS=name skips one)")
+        report.notes.append(f"plugin(s) failed to load, their rules are missing: {failed}")
     cache = ArtifactCache(opts.cache_dir) if opts.cache else None
     min_macs = opts.min_compute_macs
     if min_macs is None:

@@ -17,6 +17,8 @@ import torch
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule, Node
 
+from ..tracing import trace  # the core's tracer (pattern_from needs it without Hypothesis)
+
 aten, prims = torch.ops.aten, torch.ops.prims
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -361,17 +363,6 @@ class T:
 
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
-
-
-def trace(fn: Callable[..., Any], *examples: torch.Tensor) -> GraphModule:
-    """``fn``'s aten graph, traced with make_fx on fake copies of ``examples`` under one fake
-    mode (what the rewriter needs: ``make_fx`` on real tensors gives each node its own mode).
-    Only the examples' shapes, dtypes and strides matter. For a one-off graph in a rule test."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode() as mode:
-        return make_fx(fn, pre_dispatch=False)(*[mode.from_tensor(e) for e in examples])
 
 
 @st.composite

@@ -80,6 +80,49 @@ def test_defaults_are_filled_in_so_patterns_are_strict():
     assert cast.match(b) is None
 
 
+def _root(fn, *examples):
+    from fxpass.tracing import trace
+
+    return _calls(trace(fn, *examples))[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_an_int_constant_matches_the_equal_float_on_float_tensors(dtype):
+    """``x + 3`` and ``x + 3.0`` compute the same on a float tensor (the number is converted to
+    its dtype either way): one pattern, either spelling, and either way round."""
+    x = torch.ones(3, dtype=dtype)
+    by_int = P(aten.add.Tensor, Var("x"), 3)
+    by_float = P(aten.add.Tensor, Var("x"), 3.0)
+    assert by_int.match(_root(lambda a: a + 3.0, x)) is not None
+    assert by_float.match(_root(lambda a: a + 3, x)) is not None
+    relu6 = P(aten.hardtanh.default, Var("x"), 0, 6)  # F.relu6's numbers, F.hardtanh's 0.0
+    assert relu6.match(_root(lambda a: torch.nn.functional.hardtanh(a, 0.0, 6.0), x)) is not None
+    # equal only: 3.5 is not 3, a bool is not 1, and a repeated Var still wants one value
+    assert "wants 3, got 3.5" in by_int.explain(_root(lambda a: a + 3.5, x))
+    assert P(aten.mul.Tensor, Var("x"), 1).match(_root(lambda a: a * True, x)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_an_int_constant_and_the_equal_float_stay_apart_where_promotion_differs(dtype):
+    """On integer or bool tensors ``x + 3.0`` is a float tensor and ``x + 3`` is not: one
+    pattern must not take both, and the near-miss says why."""
+    x = torch.ones(3, dtype=dtype)
+    spelled = _root(lambda a: a + 3.0, x)
+    assert spelled.meta["val"].dtype.is_floating_point  # what makes them differ
+    by_int = P(aten.add.Tensor, Var("x"), 3)
+    assert by_int.match(spelled) is None
+    why = by_int.explain(spelled)
+    assert "wants 3, got 3.0" in why and "type promotion" in why and str(dtype) in why
+    assert P(aten.add.Tensor, Var("x"), 3.0).match(_root(lambda a: a + 3, x)) is None
+
+
+def test_a_float_argument_matches_an_equal_int_whatever_the_tensors():
+    """An argument the schema declares ``float`` is converted before the op sees it: there the
+    number's type cannot matter, even on an integer tensor."""
+    spelled = _root(lambda a: torch.nan_to_num(a, nan=0.0), torch.ones(3, dtype=torch.int64))
+    assert P(aten.nan_to_num.default, Var("x"), 0).match(spelled) is not None
+
+
 def test_bindings_repeated_var_num_commute_any_dtype():
     sq = P(aten.mul.Tensor, Var("x"), Var("x"))
     gm = capture(lambda x, y: (x * x, x * y), torch.randn(3), torch.randn(3))[0]

@@ -46,24 +46,66 @@ def test_maybe_matches_with_and_without_the_cast():
 
 def test_pattern_from_is_shape_generic_and_merges_dtypes_as_alternatives():
     p = pattern_from(_rms, (torch.randn(2, 8), torch.randn(8)),
-                     (torch.randn(3, 4, 16), torch.randn(16)), nums=["eps"])
+                     (torch.randn(3, 4, 16), torch.randn(16)), nums=["eps"], target="bpu")
     assert isinstance(p, P) and "Num('eps')" in repr(p) and "Var('x')" in repr(p)
 
     def cast(x, w, eps):
         return _rms(x.float(), w.float(), eps).to(x.dtype)
 
     bf16 = (torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16())
-    q = pattern_from(cast, (torch.randn(2, 8), torch.randn(8)), bf16, nums=["eps"])
+    q = pattern_from(cast, (torch.randn(2, 8), torch.randn(8)), bf16, nums=["eps"],
+                     target="bpu")
     assert isinstance(q, Or) and len(q.alternatives) == 2  # float32 as is, bf16 with casts
 
 
 def test_pattern_from_refuses_what_it_cannot_express():
     with pytest.raises(TypeError, match="never reach the graph as a constant"):
-        pattern_from(lambda x, eps: x * (eps * 2), (torch.ones(2),), nums=["eps"])
+        pattern_from(lambda x, eps: x * (eps * 2), (torch.ones(2),), nums=["eps"], rules=[])
     with pytest.raises(TypeError, match="must return one tensor"):
-        pattern_from(lambda x: (x + 1, x - 1), (torch.ones(2),))
+        pattern_from(lambda x: (x + 1, x - 1), (torch.ones(2),), rules=[])
     with pytest.raises(TypeError, match="nums \\['e'\\] are not parameters"):
-        pattern_from(lambda x: x + 1, (torch.ones(2),), nums=["e"])
+        pattern_from(lambda x: x + 1, (torch.ones(2),), nums=["e"], rules=[])
+    with pytest.raises(TypeError, match="needs exactly one of target= .* and rules="):
+        pattern_from(lambda x: x + 1, (torch.ones(2),))  # the core names no default target
+    with pytest.raises(TypeError, match="needs exactly one of target="):
+        pattern_from(lambda x: x + 1, (torch.ones(2),), target="bpu", rules=[])
+
+
+def _hardswish(x):  # MobileNetV3's spelling
+    return x * torch.nn.functional.relu6(x + 3) / 6
+
+
+HARDSWISH = pattern_from(_hardswish, (torch.ones(2, 8),), target="bpu")
+
+
+@pattern_rule(HARDSWISH, default=False)
+def hardswish_by_example(rw, m):
+    """x * relu6(x + 3) / 6 -> hardswish(x), by example."""
+    return rw.call(aten.hardswish.default, m.x)
+
+
+@pytest.mark.parametrize("spelling", ["relu6", "clamp", "clamp 3.0", "hardtanh 0.0"])
+def test_one_traced_pattern_takes_every_equal_number_spelling(spelling):
+    """One pattern, not an Or of traces: the numbers of ``torch.clamp(x + 3.0, 0.0, 6.0)``
+    equal the traced ``relu6(x + 3)``'s on a float tensor, so their types do not matter."""
+    f = {"relu6": _hardswish,
+         "clamp": lambda x: x * torch.clamp(x + 3, 0, 6) / 6,
+         "clamp 3.0": lambda x: x * torch.clamp(x + 3.0, 0.0, 6.0) / 6.0,
+         "hardtanh 0.0": lambda x: x * torch.nn.functional.hardtanh(x + 3, 0.0, 6.0) / 6}[spelling]
+    gm = trace(f, torch.randn(2, 8))
+    report = PassManager([*select_rules(target="bpu"), hardswish_by_example]).run(gm)
+    assert report.rewrites.get("hardswish_by_example") == 1, report.skip_reasons()
+    x = torch.randn(2, 8) * 4
+    torch.testing.assert_close(gm(x), torch.nn.functional.hardswish(x))
+
+
+def test_on_integer_tensors_the_traced_number_type_is_kept():
+    """``x + 3.0`` on an int64 tensor promotes to float; ``x + 3`` does not: a pattern traced
+    with one does not match the other, and the reason names type promotion."""
+    pat = pattern_from(lambda x: x + 3, (torch.ones(4, dtype=torch.int64),), target="bpu")
+    gm = trace(lambda x: x + 3.0, torch.ones(4, dtype=torch.int64))
+    (add,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert pat.match(add) is None and "type promotion" in pat.explain(add)
 
 
 def test_square_is_one_spelling_and_passes_the_kit():
