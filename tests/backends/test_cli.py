@@ -3,7 +3,10 @@
 import json
 import textwrap
 
+import pytest
+
 from fxpass.cli import main
+from tests.backends.blockers import block
 
 
 def test_demo_checks_against_eager_and_reports(capsys, tmp_path, monkeypatch):
@@ -63,3 +66,29 @@ def test_bad_arguments_are_usage_errors_not_tracebacks(capsys, tmp_path):
         assert message in capsys.readouterr().err, argv
     with pytest.raises(SystemExit, match="no such file"):
         main(["explain", str(tmp_path / "missing.py") + ":f"])
+
+
+@pytest.mark.parametrize("argv, model", [
+    (["demo", "--layers", "1", "--hidden", "64", "--tokens", "4"], "Qwen3ForCausalLM"),
+    (["demo", "--export", "--layers", "1", "--hidden", "64", "--tokens", "4"],
+     "Qwen3ForCausalLM"),
+])
+def test_demo_without_transformers_is_one_line_naming_the_extra(capsys, monkeypatch, argv, model):
+    """A plain install (no extras) has the backend but not transformers: the demo's model is a
+    transformers Qwen3. Was a traceback ending in an ImportError with an editable-install
+    command; CI checks the real plain install too (.ci/plain_install.py)."""
+    block(monkeypatch, "transformers")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fxpass demo: {model} is a transformers model, and transformers is not "
+                   'installed; install it with pip install "fxpass[demo]"')
+
+
+@pytest.mark.parametrize("verb", ["explain", "export"])
+def test_a_builtin_hf_model_without_transformers_names_the_extra(monkeypatch, tmp_path, verb):
+    block(monkeypatch, "transformers")
+    argv = [verb, "bert"] + ([str(tmp_path / "pkg")] if verb == "export" else [])
+    with pytest.raises(SystemExit, match=r'^bert: BertModel is a transformers model, and '
+                       r'transformers is not installed; install it with pip install '
+                       r'"fxpass\[demo\]"$'):
+        main(argv)

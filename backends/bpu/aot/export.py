@@ -19,12 +19,21 @@ once, in one file that the programs (prefill and decode share it) and the region
 models read, so tied or shared weights are never copied. The custom op finds a region's
 executor by ``key`` (a digest of its graph, weights, march and options) in this process's
 table, filled by ``export`` and by ``package.load``.
+
+Stages: an export of a large model takes minutes (its region compile above all), so every
+stage is reported as it starts, to the logger ``fxpass.export`` at INFO (shown with
+``logging.basicConfig(level=logging.INFO)``) and to the ``progress=`` callback if one is given
+(the CLI prints them with their times). A program that gets no region because every candidate
+is below ``min_compute_macs`` runs all on the CPU: export warns (:class:`NoRegionWarning`),
+naming the option, as such a package would silently be no faster than eager.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +47,52 @@ from fxpass._capture import SOURCE, mutated_inputs
 from fxpass.backends.bpu.aot.runtime import ExportError, inplace, open_region, threads
 from fxpass.backends.bpu.options import Options, from_options
 from fxpass.graph import FROZEN, FROZEN_BUFFER
+
+#: every export stage, as it starts, at INFO (the module doc)
+log = logging.getLogger("fxpass.export")
+
+Progress = Callable[[str], None]
+
+
+class NoRegionWarning(UserWarning):
+    """An exported program got no region: every candidate is below ``min_compute_macs``, so
+    the whole program runs in torch on the CPU (filter it with ``warnings`` if intended)."""
+
+
+def reporter(progress: Progress | None) -> Progress:
+    """One stage message to the ``fxpass.export`` logger and to ``progress`` (if given): the
+    logger for applications that configure logging, the callback for a UI of their own."""
+
+    def say(msg: str) -> None:
+        log.info("%s", msg)
+        if progress is not None:
+            progress(msg)
+
+    return say
+
+
+def _warn_if_no_region(what: str, report: Any, opts: Options) -> None:
+    """Warn (naming the option and its value) when ``report``'s graph got no region only
+    because its candidates fell below ``min_compute_macs``; a graph with nothing the BPU
+    can run (no candidate at all) is no mistake of the threshold and is not warned about."""
+    if report.regions:
+        return
+    small = [d for d in report.dropped if "min_compute_macs" in d]
+    if not small:
+        return
+    from fxpass.backends.bpu.backend import DEFAULT_MIN_MACS
+
+    if opts.min_compute_macs is None:
+        threshold = (f"min_compute_macs={DEFAULT_MIN_MACS[report.executor]:,} (the default "
+                     f"for the {report.executor} executor)")
+    else:
+        threshold = f"min_compute_macs={opts.min_compute_macs:,}"
+    shown = "; ".join(small[:3]) + ("; ..." if len(small) > 3 else "")
+    msg = (f"export: the {what} has no region: its {len(small)} candidate(s) are below "
+           f"{threshold} ({shown}), so it runs entirely on the CPU in torch. To offload it "
+           "anyway, export with options={'min_compute_macs': 0} (fxpass export "
+           "--min-compute-macs 0)")
+    warnings.warn(msg, NoRegionWarning, stacklevel=3)
 
 
 @functools.cache
@@ -93,7 +148,7 @@ class Lowered:
 
 def lower(
     module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], opts: Options,
-    say: Callable[[str], None],
+    say: Progress,
 ) -> Lowered:
     """``module(*args, **kwargs)`` through torch.export and the JIT pipeline (module doc)."""
     from fxpass.backends.bpu.backend import compile_graph
@@ -268,11 +323,12 @@ class Program:
         outs = run(*low.weights.values(), *low.state.values(), *flat)
         return pytree.tree_unflatten(outs, low.out_spec)
 
-    def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:
-        """Write the package directory ``path`` (see ``package.save``); returns it."""
+    def save(self, path: str, *, progress: Progress | None = None) -> str:
+        """Write the package directory ``path`` (see ``package.save``); returns it. Its
+        stages go where the export's do (``reporter``)."""
         from fxpass.backends.bpu.aot.package import save
 
-        return save({"main": self.lowered}, self.options, path, progress=progress)
+        return save({"main": self.lowered}, self.options, path, progress=reporter(progress))
 
 
 def export_options(options: dict[str, Any] | None) -> Options:
@@ -287,7 +343,7 @@ def export(
     *,
     options: dict[str, Any] | None = None,
     calibration: Sequence[Any] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> Program:
     """Export ``model(*args, **kwargs)`` through the BPU pipeline, ahead of time.
 
@@ -297,6 +353,8 @@ def export(
     Quantized regions (``quantize``, or ``executor="hbdnn"``: the board's ``.hbm``) need
     ``calibration``: inputs shaped like ``args``/``kwargs``, as ``calibrate()`` takes them (a
     dict is keyword arguments, a tuple positional, a tensor the one argument).
+    Each stage is logged to ``fxpass.export`` at INFO and passed to ``progress`` (module doc);
+    a program with no region warns (:class:`NoRegionWarning`).
     """
     from fxpass.backends.bpu.aot import quantized
 
@@ -304,7 +362,7 @@ def export(
     batches = quantized.check_calibration(opts, calibration, "export()")
     if batches is not None:
         _check_like(batches, tuple(args), dict(kwargs or {}))
-    say = progress or (lambda _m: None)
+    say = reporter(progress)
     was_training = model.training
     model.eval()
     try:
@@ -315,6 +373,7 @@ def export(
         raise ExportError(
             f"the model writes {sorted(low.state)} in place; export() takes models whose calls "
             "are pure functions of their inputs. A KV cache belongs to export_for_generate")
+    _warn_if_no_region("program", low.report, opts)
     program = Program(low, opts)
     if batches is not None:
         from fxpass.backends.bpu.device.calibration import _call
@@ -345,11 +404,12 @@ class GenerateProgram:
     options: Options
     generate: dict[str, Any]
 
-    def save(self, path: str, *, progress: Callable[[str], None] | None = None) -> str:
+    def save(self, path: str, *, progress: Progress | None = None) -> str:
+        """Write the package directory ``path``; its stages go where the export's do."""
         from fxpass.backends.bpu.aot.package import save
 
         return save({"prefill": self.prefill, "decode": self.decode}, self.options, path,
-                    extra={"generate": self.generate}, progress=progress)
+                    extra={"generate": self.generate}, progress=reporter(progress))
 
 
 def export_for_generate(
@@ -361,7 +421,7 @@ def export_for_generate(
     options: dict[str, Any] | None = None,
     calibration: Sequence[torch.Tensor] | None = None,
     calibration_tokens: int = 16,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> GenerateProgram:
     """Export a decoder-only HF model for generation: transformers' own static-cache module
     (``TorchExportableModuleWithStaticCache``: the cache as buffers it writes in place),
@@ -369,9 +429,15 @@ def export_for_generate(
     ``decode`` one. Both read and write the same cache (state shared by name in the package).
     Quantized regions need ``calibration``: prompts (``(batch_size, tokens)`` id tensors),
     each generated ``calibration_tokens`` tokens greedily, so prefill and decode regions
-    both see real activations.
+    both see real activations. Stages and a program without a region are reported as
+    :func:`export` reports them.
     """
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+    try:
+        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+    except ImportError as e:  # a plain install has no transformers: name the extra
+        raise ExportError(
+            f"export_for_generate needs transformers ({e}); install it with "
+            'pip install "fxpass[demo]"') from None
 
     from fxpass.backends.bpu.aot import quantized
 
@@ -384,7 +450,7 @@ def export_for_generate(
                           f"the cache ({max_cache_len}); choose prefill_length <= max_cache_len")
     opts = export_options(options)
     prompts = quantized.check_calibration(opts, calibration, "export_for_generate()")
-    say = progress or (lambda _m: None)
+    say = reporter(progress)
     gc = model.generation_config
     saved = (gc.cache_implementation, gc.use_cache, model.training)
     gc.cache_implementation, gc.use_cache = "static", True
@@ -410,6 +476,8 @@ def export_for_generate(
             f"export_for_generate: the prefill and decode programs write different state "
             f"({sorted(pre.state)} against {sorted(dec.state)}); this model's cache is not the "
             "static cache transformers' export module makes")
+    for name, low in progs.items():
+        _warn_if_no_region(f"{name} program", low.report, opts)
     ids = getattr(gc, "eos_token_id", None)
     meta = {
         "max_cache_len": max_cache_len,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -45,10 +46,23 @@ def _qwen3(args: argparse.Namespace, **kw: object) -> tuple[torch.nn.Module, dic
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "export", False):
-        return export_demo(args)
-    if getattr(args, "generate", False):
-        return generate_demo(args)
+    """``fxpass demo``: a one-line error, not a traceback, where transformers is missing (the
+    demo's model is a transformers Qwen3; a plain install has the backend but not it)."""
+    from fxpass.backends.bpu.tools.zoo import MissingExtra
+
+    try:
+        if getattr(args, "export", False):
+            return export_demo(args)
+        if getattr(args, "generate", False):
+            return generate_demo(args)
+        return compile_demo(args)
+    except MissingExtra as e:
+        print(f"fxpass demo: {e}", file=sys.stderr)
+        return 2
+
+
+def compile_demo(args: argparse.Namespace) -> int:
+    """``fxpass demo``: torch.compile with backend="fxpass_bpu", checked against eager."""
     import fxpass
 
     model, kwargs = _qwen3(args, dtype=getattr(torch, args.dtype))
@@ -144,7 +158,6 @@ def export_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
     generate there; then decode speed of the loaded package against eager, side by side."""
     import json
     import subprocess
-    import sys
     import tempfile
 
     from fxpass.backends.bpu import export_for_generate, load

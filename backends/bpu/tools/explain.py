@@ -80,6 +80,8 @@ def load_inputs(spec: str) -> tuple[Any, tuple, dict[str, Any]]:
         model, kw = zoo.get(spec)
     except ValueError as e:
         raise SystemExit(f"{e}; or pass path/to/file.py:factory") from None
+    except zoo.MissingExtra as e:
+        raise SystemExit(f"{spec}: {e}") from None
     return model, (), kw
 
 

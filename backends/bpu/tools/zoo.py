@@ -18,14 +18,23 @@ import torch
 Factory = Callable[..., tuple[torch.nn.Module, dict[str, Any]]]
 
 
-def _tf() -> Any:
+class MissingExtra(ImportError):
+    """A model needs an optional dependency this install lacks (a plain ``pip install
+    fxpass`` has no transformers); the message names the extra that brings it, so a command
+    can print it as its one-line error."""
+
+
+def _tf(model: str) -> Any:
+    """The ``transformers`` module, or a :class:`MissingExtra` naming ``model`` and the extra."""
     try:
         import transformers
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "this model needs `transformers`; install with pip install -e '.[demo]' "
-            "-c constraints.txt"
-        ) from e
+    except ImportError as e:  # a plain install: the HF models need the demo extra
+        why = ("transformers is not installed"
+               if isinstance(e, ModuleNotFoundError) and e.name == "transformers"
+               else f"transformers failed to import ({type(e).__name__}: {e})")
+        raise MissingExtra(
+            f"{model} is a transformers model, and {why}; install it with "
+            'pip install "fxpass[demo]"') from None
     return transformers
 
 
@@ -46,7 +55,7 @@ def _decoder(
     dtype=torch.float32,
     **extra,
 ):
-    tf = _tf()
+    tf = _tf(cls_model)
     cfg = getattr(tf, cls_cfg)(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -91,7 +100,7 @@ def mistral(**kw: Any):
 
 
 def gpt2(*, layers=2, hidden=64, heads=4, vocab=512, tokens=8, dtype=torch.float32):
-    tf = _tf()
+    tf = _tf("GPT2LMHeadModel")
     cfg = tf.GPT2Config(
         vocab_size=vocab,
         n_embd=hidden,
@@ -107,7 +116,7 @@ def gpt2(*, layers=2, hidden=64, heads=4, vocab=512, tokens=8, dtype=torch.float
 
 def bert(*, layers=2, hidden=64, heads=4, vocab=512, tokens=8, dtype=torch.float32):
     """BERT with a padding mask: the last quarter of the second sequence is padding."""
-    tf = _tf()
+    tf = _tf("BertModel")
     cfg = tf.BertConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -126,7 +135,7 @@ def bert(*, layers=2, hidden=64, heads=4, vocab=512, tokens=8, dtype=torch.float
 
 
 def vit(*, layers=2, hidden=64, heads=4, image=32, patch=8, dtype=torch.float32, **_: Any):
-    tf = _tf()
+    tf = _tf("ViTModel")
     cfg = tf.ViTConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,

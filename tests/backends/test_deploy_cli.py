@@ -1,0 +1,149 @@
+"""``fxpass export`` / ``run`` / ``generate`` from a shell: the numbers they report and the
+one-line errors (cause and fix, exit status 2, no traceback) for a user's mistakes.
+
+In process (``fxpass.cli.main``) on two tiny packages made once per module through the
+``file.py:factory`` form, which returns ``(model, args)`` or ``(model, kwargs)``, with
+``--generate`` too (issue 45, item 9)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpass.backends.bpu import load
+from fxpass.cli import main
+
+#: a generation package's cache and prefill chunk: small, so a 70-token prompt overflows it
+CACHE, CHUNK = 32, 8
+
+FACTORY = '''
+import torch
+
+
+def mlp():
+    """(model, args): the plain form."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 16)).eval()
+    return model, (torch.randn(4, 64),)
+
+
+def lm():
+    """(model, kwargs), with --generate too: the inputs are unused there, the contract holds."""
+    from fxpass.backends.bpu.tools import zoo
+
+    return zoo.get("qwen3", layers=1, hidden=64, vocab=128)
+'''
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("factory") / "models.py"
+    path.write_text(textwrap.dedent(FACTORY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mlp_package(factory: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mlp") / "pkg"
+    assert main(["export", f"{factory}:mlp", str(out), "--min-compute-macs", "0"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def lm_package(factory: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lm") / "pkg"
+    assert main(["export", f"{factory}:lm", str(out), "--generate", "--max-cache-len",
+                 str(CACHE), "--prefill-length", str(CHUNK), "--min-compute-macs", "0"]) == 0
+    return out
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], verb: str) -> str:
+    """stderr, asserted to be one ``fxpass VERB: ...`` line."""
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fxpass {verb}: ") and "\n" not in err, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_generate_names_the_requested_max_new_tokens(lm_package, capsys):
+    """Found as a new user: 70 ids with --max-new-tokens 4 reported "plus max_new_tokens (1)",
+    the CLI's one-token warm-up, not the user's request."""
+    ids = ",".join(["5"] * 70)
+    assert main(["generate", str(lm_package), "--prompt-ids", ids, "--max-new-tokens", "4"]) == 2
+    err = _one_line_error(capsys, "generate")
+    assert "the prompt (70 tokens) plus max_new_tokens (4) is 74" in err
+    assert f"past the cache of {CACHE}" in err and "max_cache_len" in err
+
+
+def test_generate_prints_the_tokens_of_the_python_api_and_their_times(lm_package, capsys):
+    capsys.readouterr()
+    assert main(["generate", str(lm_package), "--prompt-ids", "5,6,7",
+                 "--max-new-tokens", "4"]) == 0
+    res = capsys.readouterr()
+    toks = [int(t) for t in res.out.strip().splitlines()[-1].split(",")]
+    assert toks == load(lm_package).generate(torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
+    assert "(prefill of 3 tokens), 4 tokens, decode" in res.err and "ms/token" in res.err
+
+
+def test_run_inputs_of_another_shape_is_one_line(mlp_package, tmp_path, capsys):
+    """Was a full traceback (the program's ValueError) while every other error is one line."""
+    f = tmp_path / "in.pt"
+    torch.save(((torch.randn(3, 64),), {}), f)
+    capsys.readouterr()
+    assert main(["run", str(mlp_package), "--inputs", str(f)]) == 2
+    err = _one_line_error(capsys, "run")
+    assert "torch.float32[3, 64]" in err and "exported for torch.float32[4, 64]" in err
+    assert "export again" in err  # the fix
+
+
+@pytest.mark.parametrize("content, cause, fix", [
+    (None, "no such file", "leave --inputs out"),
+    (b"not a torch file", "not a torch.save file", "torch.save((args, kwargs), path)"),
+    ([torch.randn(4, 64)], "holds list, not (args, kwargs)", "torch.save((args, kwargs), path)"),
+    ((torch.randn(4, 64), {}), "holds tuple, not (args, kwargs)", "torch.save(((x,), {}), path)"),
+])
+def test_run_inputs_file_errors_are_one_line(mlp_package, tmp_path, capsys, content, cause, fix):
+    f = tmp_path / "in.pt"
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    elif content is not None:
+        torch.save(content, f)
+    capsys.readouterr()
+    assert main(["run", str(mlp_package), "--inputs", str(f)]) == 2
+    err = _one_line_error(capsys, "run")
+    assert cause in err and fix in err
+
+
+def test_run_inputs_of_the_exported_shape(mlp_package, tmp_path, capsys):
+    f = tmp_path / "in.pt"
+    torch.save(((torch.randn(4, 64),), {}), f)
+    capsys.readouterr()
+    assert main(["run", str(mlp_package), "--inputs", str(f), "--repeat", "1"]) == 0
+    assert "output 0: torch.float32[4, 16]" in capsys.readouterr().out
+
+
+def test_export_prints_stages_and_warns_of_no_region_in_one_line(factory, tmp_path, capsys):
+    """The default min_compute_macs leaves this small MLP without a region: the package would
+    run all in torch. The shell user gets a one-line warning naming the flag."""
+    assert main(["export", f"{factory}:mlp", str(tmp_path / "pkg")]) == 0
+    res = capsys.readouterr()
+    assert "0 region(s)" in res.out
+    warning = [ln for ln in res.err.splitlines() if "warning" in ln]
+    assert len(warning) == 1, res.err
+    assert warning[0].startswith("fxpass export: warning: export: the program has no region")
+    assert "min_compute_macs=500,000 (the default" in warning[0]
+    assert "--min-compute-macs 0" in warning[0]
+    for stage in ("building", "torch.export (non-strict)", "region compile", "writing", "done"):
+        assert stage in res.err, stage
+
+
+def test_export_with_a_region_does_not_warn(mlp_package, factory, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["export", f"{factory}:mlp", str(tmp_path / "pkg"),
+                 "--min-compute-macs", "0"]) == 0
+    res = capsys.readouterr()
+    assert "1 region(s)" in res.out and "warning" not in res.err
