@@ -1,10 +1,43 @@
 """The BPU backend plugin: ``torch.compile(model, backend="fxpass_bpu")`` and its helpers;
-ahead of time, ``export(model, args, kwargs).save(path)`` and ``load(path)``."""
+ahead of time, ``export(model, args, kwargs).save(path)`` and ``load(path)``.
 
-from fxpass.backends.bpu.aot.export import export, export_for_generate
-from fxpass.backends.bpu.aot.package import load
-from fxpass.backends.bpu.device.calibration import calibrate
-from fxpass.backends.bpu.hf.generation import compile_for_generate
-from fxpass.backends.bpu.host.ort import settle
+Each name below is imported on first use (a module ``__getattr__``): a deployed process that
+only calls ``load(path)`` never pays for the export, calibration or HF helpers (transformers,
+onnx, Dynamo), about a second of a fresh process's start."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time, module __getattr__ below
+    from fxpass.backends.bpu.aot.export import export, export_for_generate
+    from fxpass.backends.bpu.aot.package import load
+    from fxpass.backends.bpu.device.calibration import calibrate
+    from fxpass.backends.bpu.hf.generation import compile_for_generate
+    from fxpass.backends.bpu.host.ort import settle
+
+#: public name -> the module that defines it
+_LAZY = {
+    "calibrate": "fxpass.backends.bpu.device.calibration",
+    "compile_for_generate": "fxpass.backends.bpu.hf.generation",
+    "export": "fxpass.backends.bpu.aot.export",
+    "export_for_generate": "fxpass.backends.bpu.aot.export",
+    "load": "fxpass.backends.bpu.aot.package",
+    "settle": "fxpass.backends.bpu.host.ort",
+}
 
 __all__ = ["calibrate", "compile_for_generate", "export", "export_for_generate", "load", "settle"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

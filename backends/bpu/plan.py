@@ -34,7 +34,7 @@ import io
 import json
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -42,8 +42,10 @@ from torch.fx import Graph, GraphModule, Node
 from fxpass import env
 from fxpass.backends.bpu.cache import host_cpu_fingerprint, tool_versions
 from fxpass.backends.bpu.digest import hasher, rule_identity, source_digest, tensor_digest
-from fxpass.backends.bpu.options import Options
 from fxpass.graph import FROZEN
+
+if TYPE_CHECKING:  # load() decodes plans; options.py imports the lowering (onnx, the rules)
+    from fxpass.backends.bpu.options import Options
 
 PLAN_VERSION = "2"  # 2: CPU nodes sunk before partitioning; inline fake-value fix
 #: The CPU remainder's constants a plan may hold. Under BF16 promotion the remainder holds an

@@ -161,6 +161,11 @@ def test_load_refuses_a_board_package_on_the_host(bert_package, tmp_path):
 def test_load_refuses_a_directory_that_is_no_package(tmp_path):
     with pytest.raises(PackageError, match="has no manifest.json"):
         load(tmp_path)
+    with pytest.raises(PackageError, match=r"nope does not exist; give the directory"):
+        load(tmp_path / "nope")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(PackageError, match=r"f is a file, not a package"):
+        load(tmp_path / "f")
 
 
 def test_save_does_not_replace_an_unrelated_directory(bert_package, tmp_path):
@@ -299,4 +304,4 @@ def test_cli_export_then_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "output 0: torch.float32[2, 8, 64]" in out and "median of 2 calls" in out
     assert main(["run", str(tmp_path / "nope")]) == 2
-    assert "has no manifest.json" in capsys.readouterr().err
+    assert "nope does not exist" in capsys.readouterr().err

@@ -5,6 +5,8 @@ Greedy tokens are compared with eager HF ``generate(cache_implementation="static
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -159,3 +161,74 @@ def test_cli_export_generate_then_generate(tmp_path, capsys):
     assert "decode" in res.err and "ms/token" in res.err
     assert main(["generate", str(out), "--prompt-ids", "5,6", "--max-new-tokens", "40"]) == 2
     assert "past the cache of 32" in capsys.readouterr().err
+
+
+def test_threads_sharing_one_runner_each_get_their_own_tokens(decoder):
+    """4 threads x 3 generations on one loaded runner, started together: each result equals
+    the same call made alone (each call runs on a KV cache of its own)."""
+    import threading
+
+    _, _, _, runner = decoder
+    jobs = {(t, g): (_prompt(3 + 4 * t + g, seed=10 * t + g), 14 + g)
+            for t in range(4) for g in range(3)}
+    alone = {k: runner.generate(ids, max_new_tokens=n) for k, (ids, n) in jobs.items()}
+    got, errors = {}, []
+    start = threading.Barrier(4)
+
+    def work(t):
+        try:
+            start.wait()
+            for g in range(3):
+                ids, n = jobs[t, g]
+                got[t, g] = runner.generate(ids, max_new_tokens=n)
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread
+            errors.append((t, e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    wrong = [k for k in jobs if not torch.equal(got[k], alone[k])]
+    assert not wrong, f"threads x generations with other tokens than alone: {wrong}"
+    assert runner.slots >= 2  # the calls did overlap, each on a cache of its own
+
+
+def test_a_runner_is_not_called_like_a_function(decoder):
+    _, _, _, runner = decoder
+    with pytest.raises(TypeError, match=r"is a generation package: call runner\.generate\("):
+        runner(_prompt(4))
+
+
+def test_a_token_id_past_the_vocabulary_names_its_size(decoder):
+    model, _, _, runner = decoder
+    vocab = model.config.vocab_size
+    assert runner.vocab_size == vocab
+    ids = _prompt(5)
+    ids[0, 2] = vocab
+    with pytest.raises(ValueError, match=rf"token id {vocab}, outside the model's vocabulary of "
+                                         rf"{vocab} \(ids 0 to {vocab - 1}\)"):
+        runner.generate(ids, max_new_tokens=2)
+    ids[0, 2] = -1
+    with pytest.raises(ValueError, match=r"token id -1, outside the model's vocabulary"):
+        runner.generate(ids, max_new_tokens=2)
+
+
+def test_a_decoder_too_small_for_regions_stores_each_weight_once(tmp_path):
+    """Default options: the 8-token prefill gets a region, the one-token decode step is below
+    min_compute_macs and stays on the CPU. The region reads the weights as ONNX initializers,
+    the decode program as torch tensors: one copy in weights.bin all the same."""
+    import warnings
+
+    model, _ = zoo.get("qwen3", vocab=4096, hidden=32, heads=2, kv_heads=1, layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the decode program's NoRegionWarning
+        program = export_for_generate(model, max_cache_len=16, prefill_length=8)
+    assert [len(p.report.regions) for p in (program.prefill, program.decode)] == [1, 0]
+    path = Path(program.save(tmp_path / "pkg"))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    stored = (path / "weights.bin").stat().st_size
+    assert stored <= 1.1 * weights, (stored, weights)  # 64 KiB alignment: a few % at most
+    total = sum(f.stat().st_size for f in path.iterdir())
+    assert total <= 1.5 * weights, (total, weights)

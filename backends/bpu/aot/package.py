@@ -21,9 +21,11 @@ without Python; onnxruntime maps external weights straight from the file.
 
 ``load`` checks everything before it runs anything: the manifest's format, digest and
 versions, that the executor can run the march, every file's size (a truncated copy) and
-checksum (an edited one). It opens each region's session from its files, maps the weights and
+checksum (an edited one), and that nothing the manifest names leads outside the package
+(``aot.confine``). It opens each region's session from its files, maps the weights and
 registers the regions for the custom op; it runs no rule, no partition, no lowering and no
-Dynamo trace. Calls check their inputs' shapes and dtypes against the exported ones.
+Dynamo trace, and imports none of the export side (``aot.write`` writes packages). Calls
+check their inputs' shapes and dtypes against the exported ones.
 """
 
 from __future__ import annotations
@@ -32,18 +34,26 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from fxpass.backends.bpu.aot.confine import (
+    PackageError,
+    allowed_imports,
+    check_external_data,
+    check_graph,
+    member,
+    spec_types,
+)
 from fxpass.backends.bpu.digest import HASH_NAME, hasher
-from fxpass.backends.bpu.options import Options
+
+if TYPE_CHECKING:  # the loader never builds options: options.py imports the lowering (onnx)
+    from fxpass.backends.bpu.options import Options
 
 FORMAT = "fxpass-package/1"
 MANIFEST = "manifest.json"
@@ -54,89 +64,12 @@ _DTYPES = {str(d): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-class PackageError(RuntimeError):
-    """A package that cannot be loaded as it is; the message names the file and the fix."""
-
-
 def _file_digest(path: Path) -> str:
     h = hasher()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _spec(t: Any) -> dict[str, Any]:
-    if isinstance(t, torch.Tensor):
-        return {"shape": list(t.shape), "dtype": str(t.dtype)}
-    return {"value": repr(t)}
-
-
-class _WeightsFile:
-    """weights.bin being written: each distinct content once (by dtype, shape and bytes)."""
-
-    def __init__(self, path: Path):
-        self.f = open(path, "wb")  # noqa: SIM115 - closed by close()
-        self.offset = 0
-        self.seen: dict[tuple, tuple[int, int]] = {}
-
-    def add(self, data: np.ndarray, kind: str) -> tuple[int, int]:
-        a = np.ascontiguousarray(data)
-        raw = memoryview(a.reshape(-1).view(np.uint8))
-        h = hasher()
-        h.update(raw)
-        key = (kind, a.shape, h.hexdigest())
-        if key in self.seen:
-            return self.seen[key]
-        if a.nbytes >= ALIGN and self.offset % ALIGN:
-            pad = ALIGN - self.offset % ALIGN
-            self.f.write(bytes(pad))
-            self.offset += pad
-        self.f.write(raw)
-        self.seen[key] = (self.offset, a.nbytes)
-        self.offset += a.nbytes
-        return self.seen[key]
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-
-
-def _spec_modules(*specs: Any) -> list[str]:
-    """Modules that define the container types of the inputs and outputs (HF's ``ModelOutput``
-    classes): importing one registers its types with pytree, which rebuilding the call
-    signature in a fresh process needs."""
-    found: set[str] = set()
-
-    def walk(spec: Any) -> None:
-        mod = getattr(getattr(spec, "type", None), "__module__", "builtins")
-        if mod not in ("builtins", "collections") and not mod.startswith("torch"):
-            found.add(mod)
-        for child in spec.children() if hasattr(spec, "children") else ():
-            walk(child)
-
-    for s in specs:
-        walk(s)
-    return sorted(found)
-
-
-def _rule_set(options: Options) -> list[dict[str, Any]]:
-    from fxpass.backends.bpu.digest import rule_identity
-    from fxpass.plugins import select_rules
-
-    rules = select_rules(target="bpu", enable=options.enable,
-                         disable=options.disable, only=options.only)
-    out = []
-    for r in rules:
-        name, plugin, version, *_rest, module, source, _packages = rule_identity(r)
-        out.append({"name": name, "plugin": plugin, "version": version, "module": module,
-                    "source": source})
-    return out
-
 
 def _versions() -> dict[str, str]:
     import onnxruntime
@@ -146,107 +79,14 @@ def _versions() -> dict[str, str]:
     return {"fxpass": fxpass.__version__, "torch": torch.__version__,
             "onnxruntime": onnxruntime.__version__}
 
-
-def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
-                   say: Callable[[str], None]) -> dict[str, Any]:
-    from fxpass.backends.bpu import plan
-    from fxpass.backends.bpu.aot.runtime import runtime_graph
-    from fxpass.backends.bpu.device.lowering.driver import point_external
-
-    say(f"writing {name}.pt2")
-    torch.export.save(low.program, tmp / f"{name}.pt2")
-    graph, consts = plan.encode(runtime_graph(low.program), [], {})
-    (tmp / f"{name}.graph.json").write_bytes(graph)
-    (tmp / f"{name}.consts.pt").write_bytes(consts)
-    weights = []
-    for wname, t in low.weights.items():
-        offset, nbytes = wf.add(_tensor_bytes(t), str(t.dtype))
-        weights.append({"name": wname, "dtype": str(t.dtype), "shape": list(t.shape),
-                        "offset": offset, "bytes": nbytes})
-    regions = []
-    for r in low.regions:
-        say(f"writing region {r.name}")
-        specs = {
-            "name": r.name, "key": r.key, "input_names": r.input_names,
-            "inputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.inputs],
-            "outputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.outputs],
-        }
-        if r.quantizing is not None:  # its own file: the quantized weights live in it
-            from fxpass.backends.bpu.aot.quantized import region_entry
-
-            fname, data, fields = region_entry(r)
-            (tmp / fname).write_bytes(data)
-            regions.append({**specs, "model": fname, **fields})
-            continue
-        layout = {}
-        for wname, (dtype, _shape, array) in r.weights.items():
-            layout[wname] = wf.add(array(), f"onnx:{dtype}")
-        model = type(r.model)()
-        model.CopyFrom(r.model)
-        point_external(model, r.weights, layout, WEIGHTS)
-        fname = f"region_{r.name}.onnx"
-        (tmp / fname).write_bytes(model.SerializeToString())
-        regions.append({**specs, "executor": "onnxruntime", "model": fname})
-    return {
-        "file": f"{name}.pt2",
-        "graph": f"{name}.graph.json",
-        "consts": f"{name}.consts.pt",
-        "in_spec": pytree.treespec_dumps(low.in_spec),
-        "out_spec": pytree.treespec_dumps(low.out_spec),
-        "inputs": [_spec(x) for x in low.inputs],
-        "weights": weights,
-        "state": [{"name": k, **_spec(t)} for k, t in low.state.items()],
-        "regions": regions,
-        "cpu_threads": low.cpu_threads,
-        "memo": list(low.memo),
-    }
-
-
 def save(programs: dict[str, Any], options: Options, path: str | os.PathLike, *,
          extra: dict[str, Any] | None = None,
          progress: Callable[[str], None] | None = None) -> str:
-    """Write ``programs`` (name -> ``aot.export.Lowered``) to the directory ``path``, atomically:
-    everything goes to a temporary directory beside it, renamed into place when complete."""
-    say = progress or (lambda _msg: None)
-    dest = Path(path)
-    if dest.exists() and not (dest / MANIFEST).exists() and any(dest.iterdir()):
-        raise PackageError(f"{dest} exists and is not an fxpass package: refusing to replace it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a package is copied and read by others
-    try:
-        wf = _WeightsFile(tmp / WEIGHTS)
-        try:
-            written = {name: _write_program(name, low, tmp, wf, say)
-                       for name, low in programs.items()}
-        finally:
-            wf.close()
-        first = next(iter(programs.values()))
-        files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            files[f.relative_to(tmp).as_posix()] = {
-                "bytes": f.stat().st_size, HASH_NAME: _file_digest(f)}
-        manifest = {
-            "format": FORMAT,
-            "versions": _versions(),
-            "march": first.report.march,
-            "executor": first.report.executor,
-            "rules": _rule_set(options),
-            "imports": _spec_modules(*(s for low in programs.values()
-                                       for s in (low.in_spec, low.out_spec))),
-            "programs": written,
-            **(extra or {}),
-            "checksum": HASH_NAME,
-            "files": files,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(sign(manifest), indent=1))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return str(dest)
+    """Write ``programs`` (name -> ``aot.export.Lowered``) to the directory ``path``,
+    atomically (``aot.write``: written whole beside it, then swapped in by renames)."""
+    from fxpass.backends.bpu.aot.write import save_package
+
+    return save_package(programs, options, path, extra=extra, progress=progress)
 
 
 def _manifest_digest(manifest: dict[str, Any]) -> str:
@@ -266,6 +106,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of package ``path``, checked for format, digest and versions."""
     root = Path(path)
     mpath = root / MANIFEST
+    if not root.exists():
+        from fxpass.backends.bpu.aot.write import _interrupted
+
+        raise PackageError(f"{root} does not exist{_interrupted(root)}; give the directory that "
+                           "fxpass.backends.bpu.export(...).save(path) or `fxpass export` wrote")
+    if not root.is_dir():
+        raise PackageError(f"{root} is a file, not a package: a package is the directory that "
+                           "fxpass.backends.bpu.export(...).save(path) wrote")
     if not mpath.is_file():
         raise PackageError(f"{root} is not an fxpass package: it has no {MANIFEST}. Make one "
                            "with fxpass.backends.bpu.export(model, args).save(path)")
@@ -293,7 +141,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                 f"{mpath}: made with {tool} {made.get(tool)}, this process has {here[tool]}; "
                 f"a package loads with the {tool} release ({'.'.join(b)}) that made it. Export "
                 "the model again here, or load it where that release is installed")
-    from fxpass.backends.bpu.device.capability import MARCHES
+    from fxpass.backends.bpu.marches import CORES as MARCHES
 
     m, ex = manifest.get("march"), manifest.get("executor")
     if m not in MARCHES:
@@ -312,10 +160,15 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def verify(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists exists with its size and checksum."""
+    """Every file the manifest lists lies inside the package (``confine.member``: checked
+    before it is read) and exists with its size and checksum."""
     root = Path(path)
-    for rel, want in manifest["files"].items():
-        f = root / rel
+    files = manifest.get("files")
+    if not isinstance(files, dict) or WEIGHTS not in files:
+        raise PackageError(f"{root / MANIFEST}: no file list with {WEIGHTS}; the package was "
+                           "edited: export it again")
+    for rel, want in files.items():
+        f = member(root, rel, "the manifest's file list")
         if not f.is_file():
             raise PackageError(f"{f} is missing from the package; copy the whole directory")
         size = f.stat().st_size
@@ -325,6 +178,24 @@ def verify(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
         if _file_digest(f) != want[HASH_NAME]:
             raise PackageError(f"{f} does not match its checksum in the manifest: the file was "
                                "edited or corrupted; copy the package again (or export again)")
+
+
+def confine(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """Refuse (``confine.ConfinementError``, naming the entry) a package that names anything
+    outside itself: a program or region file, a region model's external data; return the
+    modules of ``imports`` still to import, each the module of a container type the call
+    signatures name. Runs before any of those files is opened and before any import."""
+    listed = manifest["files"]
+    specs = []
+    for name, spec in manifest["programs"].items():
+        for key in ("file", "graph", "consts"):
+            member(root, spec.get(key), f"program {name!r} ({key})", listed)
+        for r in spec["regions"]:
+            model = member(root, r.get("model"), f"region {r.get('name')!r} of {name!r}", listed)
+            if r.get("executor") != "hbdnn":
+                check_external_data(root, model, listed)
+        specs += [spec["in_spec"], spec["out_spec"]]
+    return allowed_imports(manifest.get("imports", []), spec_types(*specs), str(root / MANIFEST))
 
 
 class LoadedProgram:
@@ -351,8 +222,9 @@ class LoadedProgram:
 
         # the program's runtime graph (aot.runtime.runtime_graph), not torch.export.load: that one
         # imports Dynamo, 1.3 s of a fresh process; the .pt2 is the portable copy
-        self.gm = bind(plan.decode(json.loads((root / spec["graph"]).read_bytes()),
-                                   (root / spec["consts"]).read_bytes(), {}))
+        graph = json.loads((root / spec["graph"]).read_bytes())
+        check_graph(graph, str(root / spec["graph"]))  # before decode resolves any name
+        self.gm = bind(plan.decode(graph, (root / spec["consts"]).read_bytes(), {}))
         phs = [n.name for n in self.gm.graph.find_nodes(op="placeholder")]
         n_w = len(self.weights)
         #: state name -> its placeholder in the runtime graph
@@ -389,6 +261,28 @@ class LoadedProgram:
         """``flat`` on the caller's torch threads: a loop that calls it per token sets them
         once around the loop (``cpu_threads``) instead of twice per call."""
         return self.gm(*self._prefix, *inputs)
+
+    def bind(self, state: dict[str, torch.Tensor]) -> Callable[..., tuple[Any, ...]]:
+        """``step`` over ``state`` (name -> tensor, written in place) instead of the package's
+        own: a generation runner gives each concurrent call a state of its own."""
+        gm = self.gm
+        prefix = (*self.weights, *[state[s["name"]] for s in self.spec["state"]])
+
+        def step(*inputs: Any) -> tuple[Any, ...]:
+            return gm(*prefix, *inputs)
+
+        return step
+
+    def embedding_rows(self) -> int | None:
+        """The rows of the weight an ``aten.embedding`` of a user input looks up (a token id
+        must be below them), or None when no such lookup runs on the CPU."""
+        phs = list(self.gm.graph.find_nodes(op="placeholder"))
+        weights = {ph: w for ph, w in zip(phs, self.weights, strict=False)}
+        users = set(phs[len(self.weights) + len(self.state):])
+        rows = [weights[n.args[0]].shape[0] for n in self.gm.graph.find_nodes(
+            op="call_function", target=torch.ops.aten.embedding.default)
+            if n.args[0] in weights and n.args[1] in users]
+        return min(rows) if rows else None
 
     def check(self, leaves: list[tuple[Any, Any]]) -> None:
         """Inputs of the exported count, shapes and dtypes, else a ValueError naming the one."""
@@ -440,12 +334,19 @@ def open_package(path: str | os.PathLike) -> Package:
     root = Path(path)
     manifest = read_manifest(root)
     verify(root, manifest)
-    for mod in manifest.get("imports", []):
+    for mod in confine(root, manifest):
         try:
             importlib.import_module(mod)
         except ImportError as e:
             raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are types of "
                                f"{mod!r}, which does not import here ({e}); install it") from e
+    unknown = spec_types(*(s for p in manifest["programs"].values()
+                           for s in (p["in_spec"], p["out_spec"]))) - set(
+        pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    if unknown:
+        raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are of types "
+                           f"{sorted(unknown)}, which no module the manifest imports registers "
+                           "with torch's pytree; export the model again")
     weights = np.memmap(root / WEIGHTS, mode="c") if (root / WEIGHTS).stat().st_size else (
         np.zeros(0, np.uint8))
     regions, state, programs = [], {}, {}

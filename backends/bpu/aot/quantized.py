@@ -71,12 +71,19 @@ class _Held:
     """An exported program as ``aot.runner.Runner`` calls a loaded one, over shared state."""
 
     def __init__(self, low: Any, state: dict[str, torch.Tensor]):
+        self._low = low
         self._run = low.runner()
         self._prefix = (*low.weights.values(), *[state[k] for k in low.state])
         self.spec = {"cpu_threads": low.cpu_threads}
 
     def step(self, *inputs: Any) -> tuple[Any, ...]:
         return tuple(self._run(*self._prefix, *inputs))
+
+    def bind(self, state: dict[str, torch.Tensor]) -> Callable[..., tuple[Any, ...]]:
+        """``step`` over ``state`` (``package.LoadedProgram.bind``)."""
+        run, low = self._run, self._low
+        prefix = (*low.weights.values(), *[state[k] for k in low.state])
+        return lambda *inputs: tuple(run(*prefix, *inputs))
 
 
 class HeldPackage:

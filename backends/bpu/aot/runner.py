@@ -13,20 +13,41 @@ prompt, which no real position attends to (the static cache's mask is causal by 
 and which the decode steps overwrite before they are read. Where a padded chunk would run
 past the cache, or with ``tail="decode"``, the tail runs one token at a time through the
 decode program (``python -m benchmarks.deploy`` measures both).
+
+One runner serves several threads: each ``generate`` call runs on a state of its own (the KV
+cache and the cache-length counters: a *slot*) over the package's shared weights, programs
+and region sessions, as onnxruntime-genai's ``Generator`` owns its cache over a shared
+``Model``. Slots are pooled: a call takes a free one (or makes one, the first being the
+package's own state) and gives it back, so a process holds as many caches as it ever ran
+calls at once. Why not a lock: on a 2-core host, 4 threads generating at once finish their
+tokens sooner than the same calls one after another (``python -m benchmarks.deploy``), and
+the memory a slot costs is the cache, which a server sizes anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 
+@dataclass
+class Slot:
+    """One caller's state (name -> tensor, written in place) and each program's step over it."""
+
+    state: dict[str, torch.Tensor]
+    prefill: Callable[..., tuple[Any, ...]]
+    decode: Callable[..., tuple[Any, ...]]
+
+
 class Runner:
-    """A loaded generation package: ``generate(input_ids, max_new_tokens, ...)``."""
+    """A loaded generation package: ``generate(input_ids, max_new_tokens, ...)``, safe to call
+    from several threads at once (each call on a state of its own, module doc)."""
 
     def __init__(self, package: Any):
         self.package = package
@@ -38,9 +59,38 @@ class Runner:
         self.pad_token_id = meta.get("pad_token_id")
         self._prefill = package.programs["prefill"]
         self._decode = package.programs["decode"]
+        #: rows of the embedding the prompt is looked up in: a token id past it is refused
+        #: with the vocabulary's size (None: the lookup is not a CPU op we can see)
+        self.vocab_size: int | None = getattr(self._prefill, "embedding_rows", lambda: None)()
         self._positions = torch.arange(self.max_cache_len)
         #: each position's one-element view, made once: a slice per step is a torch op
         self._at = list(self._positions.view(-1, 1))
+        self._lock = threading.Lock()
+        #: free slots; the package's own state is the first
+        self._free: list[Slot] = [self._slot(package.state)]
+        self.slots = 1
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.package.path} is a generation package: call "
+                        "runner.generate(input_ids, max_new_tokens=...), not the runner itself")
+
+    def _slot(self, state: dict[str, torch.Tensor]) -> Slot:
+        return Slot(state, self._prefill.bind(state), self._decode.bind(state))
+
+    @contextmanager
+    def _acquire(self) -> Iterator[Slot]:
+        """A free slot for one call, given back after it (a new one when all are in use)."""
+        with self._lock:
+            slot = self._free.pop() if self._free else None
+            if slot is None:
+                self.slots += 1
+        if slot is None:
+            slot = self._slot({k: torch.zeros_like(t) for k, t in self.package.state.items()})
+        try:
+            yield slot
+        finally:
+            with self._lock:
+                self._free.append(slot)
 
     def _check(self, input_ids: Any, max_new_tokens: int) -> None:
         where = f"{self.package.path}"
@@ -62,28 +112,36 @@ class Runner:
                 f"{where}: the prompt ({t} tokens) plus max_new_tokens ({max_new_tokens}) is "
                 f"{t + max_new_tokens}, past the cache of {self.max_cache_len} the package was "
                 "exported with; shorten them, or export again with a larger max_cache_len")
+        if self.vocab_size is not None:
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"{where}: input_ids holds token id {hi if hi >= self.vocab_size else lo}, "
+                    f"outside the model's vocabulary of {self.vocab_size} (ids 0 to "
+                    f"{self.vocab_size - 1}); encode the prompt with the model's own tokenizer")
 
-    def _step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """The decode program at ``pos``: logits (batch, 1, vocab)."""
-        return self._decode.step(ids, self._at[pos])[0]
-
-    def prefill(self, input_ids: torch.Tensor, tail: str = "pad") -> torch.Tensor:
-        """Run the prompt into the cache; the logits of its last token (batch, 1, vocab)."""
+    def prefill(self, input_ids: torch.Tensor, tail: str = "pad",
+                slot: Slot | None = None) -> torch.Tensor:
+        """Run the prompt into ``slot``'s cache (the package's own without one); the logits of
+        its last token (batch, 1, vocab)."""
+        if slot is None:
+            with self._acquire() as slot:
+                return self.prefill(input_ids, tail, slot)
         p, t = self.prefill_length, input_ids.shape[1]
         pos, logits = 0, None
         while t - pos >= p:
-            (out,) = self._prefill.step(input_ids[:, pos:pos + p], self._positions[pos:pos + p])
+            (out,) = slot.prefill(input_ids[:, pos:pos + p], self._positions[pos:pos + p])
             logits, pos = out[:, -1:, :], pos + p
         if pos == t:
             return logits
         if tail == "pad" and pos + p <= self.max_cache_len:
             chunk = input_ids[:, pos:]
             pad = chunk[:, -1:].expand(chunk.shape[0], p - chunk.shape[1])
-            (out,) = self._prefill.step(torch.cat([chunk, pad], 1).contiguous(),
-                                        self._positions[pos:pos + p])
+            (out,) = slot.prefill(torch.cat([chunk, pad], 1).contiguous(),
+                                  self._positions[pos:pos + p])
             return out[:, t - pos - 1:t - pos, :]
         for i in range(pos, t):
-            logits = self._step(input_ids[:, i:i + 1].contiguous(), i)
+            logits = slot.decode(input_ids[:, i:i + 1].contiguous(), self._at[i])[0]
         return logits
 
     @torch.no_grad()
@@ -115,18 +173,19 @@ class Runner:
         pad = self.pad_token_id if self.pad_token_id is not None else (eos[0] if eos else 0)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         ids = input_ids.to(torch.long)
-        for s in self.package.state.values():
-            s.zero_()
         if streamer is not None:
             streamer.put(ids.cpu())
-        with cpu_threads(self._decode.spec.get("cpu_threads")):
-            return self._loop(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos,
-                              pad, gen, streamer, tail)
+        with self._acquire() as slot, cpu_threads(self._decode.spec.get("cpu_threads")):
+            for s in slot.state.values():
+                s.zero_()
+            return self._loop(slot, ids, max_new_tokens, do_sample, temperature, top_k, top_p,
+                              eos, pad, gen, streamer, tail)
 
-    def _loop(self, ids: torch.Tensor, max_new_tokens: int, do_sample: bool,
+    def _loop(self, slot: Slot, ids: torch.Tensor, max_new_tokens: int, do_sample: bool,
               temperature: float, top_k: int | None, top_p: float | None, eos: list[int],
               pad: int, gen: torch.Generator | None, streamer: Any, tail: str) -> torch.Tensor:
-        logits = self.prefill(ids, tail)
+        logits = self.prefill(ids, tail, slot)
+        decode, at = slot.decode, self._at
         pos = ids.shape[1]
         out = [ids]
         done = [False] * ids.shape[0]
@@ -146,7 +205,7 @@ class Runner:
                 streamer.put(tok)
             if step == max_new_tokens - 1 or (ends and all(done)):
                 break
-            logits = self._step(tok, pos)
+            logits = decode(tok, at[pos])[0]
             pos += 1
         if streamer is not None:
             streamer.end()

@@ -25,6 +25,7 @@ import torch
 from torch.fx import Node
 
 from fxpass.backends.bpu.device.lowering import FAMILIES, OPS, Reasons
+from fxpass.backends.bpu.marches import CORES, DEFAULT_MARCH
 
 F32, F16, BOOL = torch.float32, torch.float16, torch.bool
 INT = {torch.int8, torch.int16, torch.int32, torch.uint8}
@@ -55,12 +56,7 @@ class March:
 
 _DTYPES = frozenset({F32, F16, BOOL, *INT})
 MARCHES: dict[str, March] = {
-    "nash-e": March("nash-e", DEVICE_FAMILIES, _DTYPES),
-    "nash-m": March("nash-m", DEVICE_FAMILIES, _DTYPES),
-    "nash-p": March("nash-p", DEVICE_FAMILIES, _DTYPES, cores=4),
-    "nash-h": March("nash-h", DEVICE_FAMILIES, _DTYPES, cores=3),
-}
-DEFAULT_MARCH = "nash-p"
+    name: March(name, DEVICE_FAMILIES, _DTYPES, cores=cores) for name, cores in CORES.items()}
 
 
 def march(name: str) -> March:

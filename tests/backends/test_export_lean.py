@@ -1,0 +1,75 @@
+"""A deployed process imports what running a package needs and nothing else: after
+``import torch``, importing ``fxpass.backends.bpu``, ``load(path)`` and the first call (or the
+first generated token) import none of Dynamo, torch.export, transformers, onnx, onnxscript,
+Hypothesis or the rule set, unless the package needs them (a package whose outputs are
+transformers' ``ModelOutput`` types imports that module, and only it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpass.backends.bpu import export, export_for_generate
+from fxpass.backends.bpu.tools import zoo
+
+ROOT = Path(__file__).resolve().parents[2]
+#: what a deployed process must not import (unless the package names it). torch 2.13's own
+#: ``import torch`` imports torch.export: listed for the releases whose import does not.
+HEAVY = ("torch._dynamo", "torch.export", "torch._inductor", "transformers", "onnx",
+         "onnxscript", "hypothesis", "pytest", "sympy", "fxpass.rules",
+         "fxpass.backends.bpu.device.lowering", "fxpass.backends.bpu.aot.export",
+         "fxpass.backends.bpu.options")
+
+_CHILD = """
+import json, sys
+import torch
+before = set(sys.modules)
+import fxpass.backends.bpu as bpu
+lazy = sorted(set(sys.modules) - before)
+program = bpu.load(sys.argv[1])
+with torch.no_grad():
+    if sys.argv[2] == "generate":
+        program.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=1)
+    else:
+        program(torch.ones(2, 16))
+print(json.dumps({"lazy": lazy, "run": sorted(set(sys.modules) - before)}))
+"""
+
+
+def _modules(path: Path, mode: str) -> dict[str, list[str]]:
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _heavy(mods: list[str]) -> list[str]:
+    return sorted(m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY))
+
+
+@pytest.mark.slow
+def test_loading_and_generating_imports_nothing_heavy(tmp_path):
+    model, _ = zoo.get("qwen3")
+    path = export_for_generate(model, max_cache_len=16, prefill_length=4,
+                               options={"min_compute_macs": 0}).save(tmp_path / "gen")
+    got = _modules(Path(path), "generate")
+    assert _heavy(got["run"]) == [], got["run"]
+    # importing the package itself imports none of its members
+    assert not [m for m in got["lazy"] if m.startswith("fxpass.backends.bpu.")], got["lazy"]
+
+
+@pytest.mark.slow
+def test_a_plain_package_imports_nothing_heavy(tmp_path):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+    path = export(mlp, (torch.ones(2, 16),), options={"min_compute_macs": 0}).save(
+        tmp_path / "mlp")
+    got = _modules(Path(path), "call")
+    assert _heavy(got["run"]) == [], got["run"]
