@@ -36,6 +36,9 @@ program = bpu.load(sys.argv[1])
 with torch.no_grad():
     if sys.argv[2] == "generate":
         program.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=1)
+    elif sys.argv[2] == "encoder":
+        ids = torch.ones(1, 5, dtype=torch.long)
+        program(input_ids=ids, attention_mask=ids)
     else:
         program(torch.ones(2, 16))
 print(json.dumps({"lazy": lazy, "run": sorted(set(sys.modules) - before)}))
@@ -73,3 +76,16 @@ def test_a_plain_package_imports_nothing_heavy(tmp_path):
         tmp_path / "mlp")
     got = _modules(Path(path), "call")
     assert _heavy(got["run"]) == [], got["run"]
+
+
+@pytest.mark.slow
+def test_a_bucket_package_imports_transformers_for_its_outputs_and_nothing_else(tmp_path):
+    """BERT's outputs are transformers' ``ModelOutput`` types: their module is imported (the
+    package needs it to rebuild its output), the rest of the heavy list is not."""
+    from fxpass.backends.bpu.hf.encoders import export_for_encoder
+
+    model, _ = zoo.get("bert")
+    path = export_for_encoder(model, buckets={"seq": [8], "batch": [1]}).save(tmp_path / "enc")
+    got = _modules(Path(path), "encoder")
+    assert "transformers.modeling_outputs" in got["run"]
+    assert [m for m in _heavy(got["run"]) if not m.startswith("transformers")] == [], got["run"]

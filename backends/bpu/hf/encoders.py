@@ -31,11 +31,12 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxpass.backends.bpu.options import Options
+if TYPE_CHECKING:  # a loaded bucket package runs EncoderRunner: options.py imports the lowering
+    from fxpass.backends.bpu.options import Options
 
 DIMS = {"seq": 1, "batch": 0}
 _PADDED = ("input_ids", "attention_mask", "token_type_ids")
