@@ -102,6 +102,14 @@ def test_a_symlink_leading_out_is_refused(copy):
         load(copy)
 
 
+def test_a_manifest_linked_from_outside_is_refused(copy):
+    outside = copy.parent / MANIFEST
+    shutil.move(copy / MANIFEST, outside)
+    (copy / MANIFEST).symlink_to(outside)
+    with pytest.raises(PackageError, match=r"the manifest names 'manifest.json', a symlink to "):
+        load(copy)
+
+
 def test_a_region_model_whose_external_data_points_outside_is_refused(copy):
     shutil.copy(copy / "weights.bin", copy.parent / "stolen.bin")
     name = _region(json.loads((copy / MANIFEST).read_text()))["model"]

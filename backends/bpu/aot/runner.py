@@ -19,9 +19,10 @@ cache and the cache-length counters: a *slot*) over the package's shared weights
 and region sessions, as onnxruntime-genai's ``Generator`` owns its cache over a shared
 ``Model``. Slots are pooled: a call takes a free one (or makes one, the first being the
 package's own state) and gives it back, so a process holds as many caches as it ever ran
-calls at once. Why not a lock: on a 2-core host, 4 threads generating at once finish their
-tokens sooner than the same calls one after another (``python -m benchmarks.deploy``), and
-the memory a slot costs is the cache, which a server sizes anyway.
+calls at once. Why not one cache and a lock: on the 2-core host both take the same wall time
+for 4 threads x 5 calls (the cores are busy either way), but under a lock a caller waits for
+every call ahead of it before its first token (2 s at worst against 0.07 s,
+``python -m benchmarks.deploy``); a slot costs only the cache's memory.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ class Runner:
 
     def prefill(self, input_ids: torch.Tensor, tail: str = "pad",
                 slot: Slot | None = None) -> torch.Tensor:
-        """Run the prompt into ``slot``'s cache (the package's own without one); the logits of
-        its last token (batch, 1, vocab)."""
+        """Run the prompt into ``slot``'s cache (a free slot's without one); the logits of its
+        last token (batch, 1, vocab)."""
         if slot is None:
             with self._acquire() as slot:
                 return self.prefill(input_ids, tail, slot)
