@@ -14,10 +14,14 @@ Per model (random weights, 32,000 words, greedy, fp32, a 32-token prompt):
 Decode ms/token = (t(1 + N) - t(1)) / N from medians of round-robin samples
 (``harness.interleave``), N = 32 and 128. Also: tokens equal to eager-static at both N; the
 package's time per decode step outside its device region (the step's wall time minus the
-region executor's, over 128 steps, median of 5); ``load()`` to the first generated token in a
-fresh process (median of 3; the Python and torch import before ``load`` reported apart);
-the package's size against the fp32 weights; and, for a stock BERT and a ResNet, export ->
-save -> load in this process against eager (max abs difference, forward time ratio).
+region executor's, over 128 steps, median of 5); a fresh process after ``import torch``:
+importing fxpass + ``load()`` + the first generated token (median of 3; the bar is 0.6 s),
+with ``load()`` to the first token apart, and which of the modules a deployed process must
+not need it imported; the package's size against the fp32 weights; 4 threads x 5
+generations on one loaded runner, each call on its own cache (as shipped) against the same
+calls serialized by a lock, every result checked against the sequential tokens; and, for a
+stock BERT and a ResNet, export -> save -> load in this process against eager (max abs
+difference, forward time ratio).
 """
 
 from __future__ import annotations
@@ -78,33 +82,105 @@ def _outside_region(runner: Any, ids: torch.Tensor, steps: int, rounds: int = 5)
 
 _CHILD = """
 import sys, time
-t0 = time.perf_counter()
 import torch
+t0 = time.perf_counter()
 from fxpass.backends.bpu import load
 t1 = time.perf_counter()
 r = load(sys.argv[1])
-ids = torch.load(sys.argv[2])
-r.generate(ids, max_new_tokens=1)
+r.generate(torch.load(sys.argv[2]), max_new_tokens=1)
 t2 = time.perf_counter()
-print(f"{t1 - t0} {t2 - t1}")
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in (
+    "transformers", "onnx", "onnxscript", "hypothesis", "sympy") or m.startswith(
+    ("torch._dynamo", "torch._inductor", "fxpass.rules")))
+print(f"{t1 - t0} {t2 - t1} {','.join(heavy) or '-'}")
 """
 
 
 def _fresh_first_token(path: str, ids: torch.Tensor, rounds: int = 3) -> dict:
+    """In a fresh process after ``import torch``: fxpass's import, then ``load()`` to the
+    first generated token; medians of ``rounds`` processes."""
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "ids.pt"
         torch.save(ids, f)
-        imports, firsts = [], []
+        imports, firsts, totals, heavy = [], [], [], set()
         for _ in range(rounds):
             r = subprocess.run([sys.executable, "-c", _CHILD, path, str(f)], cwd=ROOT,
                                capture_output=True, text=True, timeout=300)
             if r.returncode:
                 raise RuntimeError(r.stderr[-2000:])
-            a, b = map(float, r.stdout.split()[-2:])
-            imports.append(a)
-            firsts.append(b)
-    return {"import_s": statistics.median(imports), "load_to_first_token_s":
-            statistics.median(firsts)}
+            a, b, mods = r.stdout.split()[-3:]
+            imports.append(float(a))
+            firsts.append(float(b))
+            totals.append(float(a) + float(b))
+            heavy |= set(mods.split(",")) - {"-"}
+    return {"fxpass_import_s": statistics.median(imports),
+            "load_to_first_token_s": statistics.median(firsts),
+            "after_torch_s": statistics.median(totals), "heavy_modules": sorted(heavy)}
+
+
+class _FirstToken:
+    """A streamer that stamps the first generated token (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts: list[float] = []
+
+    def put(self, _tokens: torch.Tensor) -> None:
+        self.puts.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _concurrency(runner: Any, prompt: torch.Tensor, threads: int = 4, calls: int = 5,
+                 new_tokens: int = 32, rounds: int = 3) -> dict:
+    """``threads`` threads x ``calls`` generations on one runner: each call on a cache of its
+    own (the runner as shipped) against the same calls serialized by a lock. Every result is
+    checked against the same call made alone. Wall seconds for all calls and the worst wait
+    from a call to its first token, medians of ``rounds``."""
+    import threading
+
+    jobs = {(t, c): prompt[:, : prompt.shape[1] - (t + c) % 8] for t in range(threads)
+            for c in range(calls)}
+    alone = {k: runner.generate(ids, max_new_tokens=new_tokens) for k, ids in jobs.items()}
+    lock = threading.Lock()
+
+    def serialized(ids: torch.Tensor, streamer: Any) -> torch.Tensor:
+        with lock:
+            return runner.generate(ids, max_new_tokens=new_tokens, streamer=streamer)
+
+    def concurrent(ids: torch.Tensor, streamer: Any) -> torch.Tensor:
+        return runner.generate(ids, max_new_tokens=new_tokens, streamer=streamer)
+
+    out: dict[str, Any] = {"threads": threads, "calls": calls, "new_tokens": new_tokens}
+    for name, gen in (("per_call_state", concurrent), ("serialized", serialized)) * rounds:
+        got: dict[tuple[int, int], torch.Tensor] = {}
+        waits: list[float] = []
+        start = threading.Barrier(threads + 1)
+
+        def work(t: int, gen: Any = gen, got: dict = got, waits: list = waits,
+                 start: Any = start) -> None:
+            start.wait()
+            for c in range(calls):
+                clock, asked = _FirstToken(), time.perf_counter()
+                got[t, c] = gen(jobs[t, c], clock)
+                waits.append(clock.puts[1] - asked)
+
+        pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for th in pool:
+            th.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for th in pool:
+            th.join()
+        out.setdefault(name + "_s", []).append(time.perf_counter() - t0)
+        out.setdefault(name + "_first_token_max_s", []).append(max(waits))
+        out[name + "_tokens_ok"] = out.get(name + "_tokens_ok", True) and all(
+            torch.equal(got[k], alone[k]) for k in jobs)
+    for name in ("per_call_state", "serialized"):
+        for key in ("_s", "_first_token_max_s"):
+            out[name + key] = statistics.median(out[name + key])
+    out["slots"] = runner.slots
+    return out
 
 
 def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path) -> dict:
@@ -146,6 +222,7 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path) -
         "prefill_ms": {c: times[1][c] * 1e3 for c in runners},
         "package_step": _outside_region(runner, ids, max(new_tokens)),
         "fresh": _fresh_first_token(path, ids),
+        "threads": _concurrency(runner, ids),
     }
 
 
@@ -196,12 +273,27 @@ def to_markdown(data: dict[str, Any]) -> str:
     pkg = [{"model": r["model"], "step ms": f"{r['package_step']['step_ms']:.2f}",
             "region ms": f"{r['package_step']['region_ms']:.2f}",
             "outside ms": f"{r['package_step']['outside_ms']:.2f}",
+            "import + load + 1st token s": f"{r['fresh']['after_torch_s']:.2f}",
             "load -> 1st token s": f"{r['fresh']['load_to_first_token_s']:.2f}",
-            "imports s": f"{r['fresh']['import_s']:.2f}",
+            "heavy imports": ", ".join(r["fresh"]["heavy_modules"]) or "none",
             "size vs weights": f"{r['size_vs_weights']:.4f}x",
             "regions (prefill, decode)": r["regions"], "export s": f"{r['export_s']:.1f}"}
            for r in data["runs"]]
     out.append(harness.markdown_table(pkg, list(pkg[0]) if pkg else []))
+    conc = []
+    for r in data["runs"]:
+        c = r["threads"]
+        conc.append({
+            "model": r["model"], "threads x calls": f"{c['threads']} x {c['calls']}",
+            "new tokens": c["new_tokens"], "per-call state s": f"{c['per_call_state_s']:.2f}",
+            "serialized s": f"{c['serialized_s']:.2f}",
+            "serialized / per-call": f"{c['serialized_s'] / c['per_call_state_s']:.2f}x",
+            "worst wait for a 1st token s (per-call, serialized)":
+                f"{c['per_call_state_first_token_max_s']:.2f}, "
+                f"{c['serialized_first_token_max_s']:.2f}",
+            "tokens = alone": c["per_call_state_tokens_ok"] and c["serialized_tokens_ok"],
+            "caches": c["slots"]})
+    out.append(harness.markdown_table(conc, list(conc[0]) if conc else []))
     if data.get("encoders"):
         enc = [{"model": e["model"], "max |package - eager|": f"{e['max_abs_diff']:.2e}",
                 "eager ms": f"{e['eager_ms']:.2f}", "package ms": f"{e['package_ms']:.2f}",

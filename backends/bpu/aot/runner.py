@@ -21,7 +21,7 @@ and region sessions, as onnxruntime-genai's ``Generator`` owns its cache over a 
 package's own state) and gives it back, so a process holds as many caches as it ever ran
 calls at once. Why not one cache and a lock: on the 2-core host both take the same wall time
 for 4 threads x 5 calls (the cores are busy either way), but under a lock a caller waits for
-every call ahead of it before its first token (2 s at worst against 0.07 s,
+every call ahead of it before its first token (2 s at worst against 0.08 s,
 ``python -m benchmarks.deploy``); a slot costs only the cache's memory.
 """
 
