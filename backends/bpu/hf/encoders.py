@@ -264,7 +264,13 @@ def export_for_encoder(
     ``input_ids``, ``attention_mask``, ...) of any size; each is padded to its bucket and runs
     that bucket's program, so give inputs of every bucket's size."""
     from fxpass.backends.bpu.aot import quantized
-    from fxpass.backends.bpu.aot.export import Program, export_options, lower
+    from fxpass.backends.bpu.aot.export import (
+        Program,
+        _warn_if_no_region,
+        export_options,
+        lower,
+        reporter,
+    )
 
     spec = check_buckets(buckets)
     if "seq" not in spec:
@@ -272,7 +278,7 @@ def export_for_encoder(
     pad_id = _pad_id(model)
     opts = export_options(options)
     calib = quantized.check_calibration(opts, calibration, "export_for_encoder()")
-    say = progress or (lambda _m: None)
+    say = reporter(progress)
     types = "token_type_ids" in inspect.signature(model.forward).parameters
     batches = spec.get("batch", [1])
     was = model.training
@@ -287,6 +293,8 @@ def export_for_encoder(
                 if types:
                     kw["token_type_ids"] = torch.zeros(b, n, dtype=torch.long)
                 programs[f"b{b}_s{n}"] = lower(model, (), kw, opts, say)
+                _warn_if_no_region(f"bucket batch {b} x seq {n}", programs[f"b{b}_s{n}"].report,
+                                   opts)
     finally:
         model.train(was)
     meta = {"buckets": {"batch": batches, "seq": spec["seq"]}, "pad_token_id": pad_id,
