@@ -354,7 +354,7 @@ def _longer_prompt(model: Any, new_tokens: int, graphs_before: int) -> dict[str,
     import torch
 
     import fxpass
-    from fxpass.backends.bpu.hf.generation import UNCOMPILED
+    from fxpass.hf.generation import UNCOMPILED
 
     ids = torch.randint(3, 500, (1, 11), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -396,7 +396,7 @@ def one(family: str, new_tokens: int, dtype: str = "float32", longer: bool = Fal
         ) -> dict[str, Any]:
     """Run one family in this process (the parent runs each in a child). ``longer`` (fp32
     decoders): then an 11-token prompt too, which the 4-token compiled prefill takes as two
-    chunks and an eager 3-token tail (``backends/bpu/hf/prefill.py``)."""
+    chunks and an eager 3-token tail (``fxpass/hf/prefill.py``)."""
     if family in FORWARD:
         return forward_one(family)
     if family in SEQ2SEQ:

@@ -47,7 +47,7 @@ CHILD = r"""
 import json, os, resource, sys, time
 spec = json.loads(sys.argv[1])
 import torch
-import fxpass.backends.bpu.tools.zoo as zoo
+import fxpass.tools.zoo as zoo
 model, kw = zoo.get(spec["model"], layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000,
                     tokens=spec["tokens"], dtype=getattr(torch, spec["dtype"]))
 if spec["backend"] == "fxpass_bpu":
@@ -57,7 +57,7 @@ else:
 prof = None
 if spec.get("profile"):
     import cProfile
-    from fxpass.backends.bpu import backend as B
+    from fxpass.jit import backend as B
     prof, inner = cProfile.Profile(), B.compile_graph
     def compile_graph(gm, o):
         prof.enable()

@@ -231,7 +231,7 @@ def encoders(tmp: Path, repeats: int) -> list[dict]:
     import transformers
 
     from fxpass.backends.bpu import export, load
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     cases = []
     bert, kw = zoo.get("bert", layers=4, hidden=256, heads=4, tokens=128)

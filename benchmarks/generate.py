@@ -52,7 +52,7 @@ MODELS = {
 
 
 def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     family, kw = MODELS[name]
     model, inputs = zoo.get(family, tokens=PROMPT, **kw)
@@ -270,9 +270,9 @@ def overhead(name: str, new_tokens: int = 32, rounds: int = 5) -> dict[str, floa
     forward call (Dynamo's guards and frame, AOTAutograd, ``compile_for_generate``'s wrapper);
     the rest of it is HF's loop.
     """
-    import fxpass.backends.bpu.guarded as be
-    import fxpass.backends.bpu.host.ort as ort
-    import fxpass.backends.bpu.runtime as rt
+    import fxpass.backends.onnx.host.ort as ort
+    import fxpass.jit.guarded as be
+    import fxpass.jit.runtime as rt
 
     acc = {"entry": 0.0, "run": 0.0, "region": 0.0, "executor": 0.0}
     patched = [
@@ -350,7 +350,7 @@ def _outside_replayed(
     """
     import numpy as np
 
-    import fxpass.backends.bpu.guarded as be
+    import fxpass.jit.guarded as be
 
     real = be.GuardedGraph.__call__
     replay: dict[int, Any] = {}

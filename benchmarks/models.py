@@ -1,6 +1,6 @@
 """Model latency: eager vs inductor vs fxpass_bpu (onnxruntime host executor) vs whole-model ONNX.
 
-Random weights, no downloads (``fxpass.backends.bpu.tools.zoo``), batch 1, ``torch.no_grad()``.
+Random weights, no downloads (``fxpass.tools.zoo``), batch 1, ``torch.no_grad()``.
 Per case, every
 contender is compiled/exported in this process, checked against eager, then timed side by side
 (``harness.interleave``). For fxpass_bpu a second process reuses the artifact cache, to
@@ -70,7 +70,7 @@ class Case:
 
     def build(self) -> tuple[Wrapped, tuple[torch.Tensor, ...]]:
         """The model wrapped to take positional tensors, and its inputs (batch 1)."""
-        from fxpass.backends.bpu.tools import zoo
+        from fxpass.tools import zoo
 
         name, kw = MODELS[self.model]
         model, kwargs = zoo.get(name, **kw, tokens=self.tokens, dtype=DTYPES[self.dtype])

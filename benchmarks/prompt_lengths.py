@@ -5,7 +5,7 @@
 Why this exists: shapes are static, so each new prompt length used to compile a new prefill
 graph (3-4 s each on Qwen3 4 x 512), and past Dynamo's recompile limit every new length ran its
 prefill eagerly. ``compile_for_generate`` now compiles one prompt length and runs the others
-through HF's chunked prefill (``backends/bpu/hf/prefill.py``). This measures both
+through HF's chunked prefill (``fxpass/hf/prefill.py``). This measures both
 policies on the same prompts:
 
 - ``chunks``: the default (the first prompt's length is the compiled chunk);
@@ -55,7 +55,7 @@ def _generate(model: Any, ids: torch.Tensor, new: int, **kw: Any) -> tuple[float
 def run(prompts: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     import fxpass
     from fxpass.backends.bpu import compile_for_generate, settle
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     model, _ = zoo.get("qwen3", layers=4, hidden=512, heads=8, kv_heads=4, vocab=32000,
                        tokens=32)

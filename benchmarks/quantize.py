@@ -1,6 +1,6 @@
 """Quantized regions (issue 11): accuracy against eager float, and host latency next to float.
 
-Per model (random weights, no downloads; ``fxpass.backends.bpu.tools.zoo`` at the benchmark sizes of
+Per model (random weights, no downloads; ``fxpass.tools.zoo`` at the benchmark sizes of
 ``benchmarks.models``): compile with ``options={"quantize": cfg}``, ``calibrate`` on
 ``CALIB`` batches of the model's input distribution, then compare on ``EVAL`` held-out batches
 against eager float:
@@ -94,7 +94,7 @@ def run_model(
 ) -> dict[str, Any]:
     import fxpass
     from fxpass.backends.bpu import calibrate
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     family, kw = spec
     base_name = family
@@ -187,7 +187,7 @@ def run_generate(quick: bool) -> dict[str, Any]:
     import copy
 
     from fxpass.backends.bpu import calibrate, compile_for_generate
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     family, kw = ("qwen3", {}) if quick else GEN_MODEL
     model, example = zoo.get(family, tokens=GEN_PROMPT, **kw)

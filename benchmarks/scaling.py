@@ -58,7 +58,7 @@ def _rules() -> list[Any]:
 
 def _reject() -> Callable[[Node], str | None]:
     """A fresh per-graph Capability, as the backend uses it (verdicts cached per value)."""
-    from fxpass.backends.bpu.device.capability import Capability, march
+    from fxpass.backends.bpu.capability import Capability, march
 
     return Capability(march("nash-p"))
 
@@ -79,7 +79,7 @@ def run_codegen(gm: GraphModule) -> tuple[float, dict[str, Any]]:
 
 
 def run_partition(gm: GraphModule) -> tuple[float, dict[str, Any]]:
-    from fxpass.backends.bpu.device.partition import partition
+    from fxpass.partition.partition import partition
 
     reject = _reject()
     t0 = time.perf_counter()

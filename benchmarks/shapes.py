@@ -47,7 +47,7 @@ SPECS = {
 
 
 def _bert() -> torch.nn.Module:
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     return zoo.get("bert", layers=4, hidden=256, heads=4, tokens=8)[0]
 
@@ -84,7 +84,7 @@ def _contender(name: str, make: Any, inputs: list[dict], refs: list[torch.Tensor
     from torch._dynamo.utils import counters
 
     from fxpass.backends.bpu import settle
-    from fxpass.backends.bpu.backend import STATS
+    from fxpass.jit.backend import STATS
 
     torch._dynamo.reset()
     graphs0, variants0 = counters["stats"]["unique_graphs"], STATS["shape_variants"]
@@ -112,7 +112,7 @@ def _contender(name: str, make: Any, inputs: list[dict], refs: list[torch.Tensor
 
 
 def run_case(case: str) -> dict:
-    from fxpass.backends.bpu.hf.encoders import compile_for_encoder
+    from fxpass.hf.encoders import compile_for_encoder
 
     if case == "bert":
         base, inputs = _bert, [_bert_inputs(i, n) for i, n in enumerate(LENGTHS)]
@@ -142,7 +142,7 @@ def run_case(case: str) -> dict:
 def _work(spec: dict | None, inputs: list[dict]) -> float:
     """Tokens computed over tokens given: what bucket padding adds (1.0 without buckets).
     Counted through ``by_rows`` and ``pad_inputs`` themselves, so it is what the runs do."""
-    from fxpass.backends.bpu.hf.encoders import by_rows, pad_inputs
+    from fxpass.hf.encoders import by_rows, pad_inputs
 
     if spec is None:
         return 1.0

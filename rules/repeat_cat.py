@@ -7,7 +7,7 @@ Why: rotary embeddings are written ``emb = cat((freqs, freqs), -1); cos = emb.co
 (every HF rotary model). ``cos`` and ``sin`` stay on the CPU (not on the BPU's list), so the
 region received ``cos`` as an opaque input and could not tell that its halves are equal, which
 is what a fused rotary kernel needs (onnxruntime's ``RotaryEmbedding`` reads the half table,
-``backends/bpu/host/rotary.py``). After this rule the repeat is a cat inside the region, visible;
+``backends/onnx/host/rotary.py``). After this rule the repeat is a cat inside the region, visible;
 ``cos`` and ``sin`` also compute half the elements.
 
 Exact: a pointwise op maps each element on its own, so it commutes with moving elements; the

@@ -11,20 +11,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time, module __getattr__ below
-    from fxpass.backends.bpu.aot.export import export, export_for_generate
-    from fxpass.backends.bpu.aot.package import load
-    from fxpass.backends.bpu.device.calibration import calibrate
-    from fxpass.backends.bpu.hf.generation import compile_for_generate
-    from fxpass.backends.bpu.host.ort import settle
+    from fxpass.aot.export import export, export_for_generate
+    from fxpass.aot.package import load
+    from fxpass.backends.onnx.calibration import calibrate
+    from fxpass.backends.onnx.host.ort import settle
+    from fxpass.hf.generation import compile_for_generate
 
 #: public name -> the module that defines it
 _LAZY = {
-    "calibrate": "fxpass.backends.bpu.device.calibration",
-    "compile_for_generate": "fxpass.backends.bpu.hf.generation",
-    "export": "fxpass.backends.bpu.aot.export",
-    "export_for_generate": "fxpass.backends.bpu.aot.export",
-    "load": "fxpass.backends.bpu.aot.package",
-    "settle": "fxpass.backends.bpu.host.ort",
+    "calibrate": "fxpass.backends.onnx.calibration",
+    "compile_for_generate": "fxpass.hf.generation",
+    "export": "fxpass.aot.export",
+    "export_for_generate": "fxpass.aot.export",
+    "load": "fxpass.aot.package",
+    "settle": "fxpass.backends.onnx.host.ort",
 }
 
 __all__ = ["calibrate", "compile_for_generate", "export", "export_for_generate", "load", "settle"]

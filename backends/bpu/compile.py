@@ -19,28 +19,28 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fxpass.backends.bpu.cache import (
-    ArtifactCache,
-    region_key,
-)
-from fxpass.backends.bpu.device import quantize as Q
-from fxpass.backends.bpu.device.board import (
+from fxpass.backends.bpu.board import (
     HBDK4_HELP,
     exported_hbm,
     has_board,
     has_hbdk4,
     quantized_hbm,
 )
-from fxpass.backends.bpu.device.calibration import QuantInfo, QuantizingExecutor
-from fxpass.backends.bpu.device.lowering import (
+from fxpass.backends.onnx import quantize as Q
+from fxpass.backends.onnx.calibration import QuantInfo, QuantizingExecutor
+from fxpass.backends.onnx.host.build import build_ort, compile_ort, quantized_ort
+from fxpass.backends.onnx.host.ort import OrtExecutor
+from fxpass.backends.onnx.lowering import (
     lower,
     lower_weightless,
 )
-from fxpass.backends.bpu.device.region import RegionGraph
-from fxpass.backends.bpu.host.build import build_ort, compile_ort, quantized_ort
-from fxpass.backends.bpu.host.ort import OrtExecutor
-from fxpass.backends.bpu.options import EXECUTORS, Options
-from fxpass.backends.bpu.runtime import Compiled
+from fxpass.jit.cache import (
+    ArtifactCache,
+    region_key,
+)
+from fxpass.jit.options import EXECUTORS, Options
+from fxpass.jit.runtime import Compiled
+from fxpass.partition.region import RegionGraph
 
 
 def resolve_executor(executor: str) -> str:

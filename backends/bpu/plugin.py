@@ -39,7 +39,7 @@ def _hidden(raw: str) -> int:
 
 
 def _march(raw: str) -> str:
-    from fxpass.backends.bpu.device.capability import march
+    from fxpass.backends.bpu.capability import march
 
     try:
         march(raw)  # the backend's own check and message
@@ -49,7 +49,7 @@ def _march(raw: str) -> str:
 
 
 def _quantize(raw: str) -> str:
-    from fxpass.backends.bpu.device.quantize import QuantizationError, resolve_config
+    from fxpass.backends.onnx.quantize import QuantizationError, resolve_config
 
     try:
         resolve_config(raw)
@@ -92,13 +92,13 @@ def _explain_arguments(e: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.tools.demo import main
+    from fxpass.tools.demo import main
 
     return main(args)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.tools.explain import main
+    from fxpass.tools.explain import main
 
     return main(args)
 
@@ -128,7 +128,7 @@ def _generate_arguments(g: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.tools.deploy import generate_main
+    from fxpass.tools.deploy import generate_main
 
     return generate_main(args)
 
@@ -141,13 +141,13 @@ def _run_arguments(r: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.tools.deploy import export_main
+    from fxpass.tools.deploy import export_main
 
     return export_main(args)
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from fxpass.backends.bpu.tools.deploy import run_main
+    from fxpass.tools.deploy import run_main
 
     return run_main(args)
 

@@ -1,7 +1,7 @@
 """Peak resident memory while ``torch.compile(backend="fxpass_bpu")`` compiles, against the weights.
 
 Each measurement runs in a fresh process with an empty artifact cache (``FXPASS_CACHE_DIR`` in
-a new temp dir): build the model (random weights, ``fxpass.backends.bpu.tools.zoo``), run one eager
+a new temp dir): build the model (random weights, ``fxpass.tools.zoo``), run one eager
 forward, then reset the kernel's peak-RSS mark (``/proc/self/clear_refs`` = 5) and read the
 baseline ``VmRSS``. Compile and make the first call, wait for any tiered region's
 background build (``fxpass.backends.bpu.settle``) and make a second call, then read ``VmHWM``
@@ -53,7 +53,7 @@ def child(model_name: str, dtype_name: str, tokens: int) -> dict[str, Any]:
     import torch
 
     import fxpass
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     torch.manual_seed(0)

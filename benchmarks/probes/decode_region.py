@@ -6,13 +6,13 @@ Qwen3 4x512 (``benchmarks.generate``'s model), static cache, fxpass_bpu with the
 off. The decode region's model and one step's inputs are captured from a real ``generate()``.
 
 1. **Host attention fusion, A/B.** The decode region is compiled twice in one process, with the
-   attention fusion (``backends/bpu/host/attention.py``) and without it (every other host fusion on
+   attention fusion (``backends/onnx/host/attention.py``) and without it (every other host fusion on
    in both). Reported: ONNX nodes of each (top level, as the session sees them) and the
    region's time on the captured inputs, the two sessions timed side by side
    (``harness.interleave``, medians).
    **Host rotary fusion, A/B.** Compiled once more with the ``pointwise_before_repeat_cat``
    rule off, so the region never sees the half table and keeps the decomposed rotary
-   (``backends/bpu/host/rotary.py``), timed in the same round-robin. Both fusions also as paired
+   (``backends/onnx/host/rotary.py``), timed in the same round-robin. Both fusions also as paired
    differences (``_paired``: the sessions back to back, order alternating, median of 300).
    **The products alone:** a model of only the region's top-level Gemm nodes over the same
    weights (``_products_only``), in the same round-robin: what the rest of the region costs.
@@ -52,10 +52,10 @@ def _capture(
 ) -> tuple[Any, tuple, list[float], int, Any]:
     """Compile and run ``generate()``; return (decode executor, its last inputs, its per-call
     seconds during one more generate of 33 tokens, its ONNX node count, the generate run)."""
-    import fxpass.backends.bpu.host.build as compile_mod
-    import fxpass.backends.bpu.host.prepare as host
+    import fxpass.backends.onnx.host.build as compile_mod
+    import fxpass.backends.onnx.host.prepare as host
     from fxpass.backends.bpu import settle
-    from fxpass.backends.bpu.host import ort as rt
+    from fxpass.backends.onnx.host import ort as rt
 
     real_passes, real_call, real_fuse = host._passes, rt.OrtExecutor.__call__, host.fuse_for_ort
     counts: list[int] = []
@@ -121,7 +121,7 @@ def _products_only(region: Any, prepack: bool) -> tuple[Any, tuple]:
     import onnx
     from onnx import helper, numpy_helper
 
-    from fxpass.backends.bpu.host import ort as rt
+    from fxpass.backends.onnx.host import ort as rt
 
     proto = region.proto
     inits = {i.name: i for i in proto.graph.initializer}
@@ -185,7 +185,7 @@ def _paired(without: Any, with_: Any, pairs: int = 300) -> float:
 
 
 def measure(name: str, repeats: int) -> dict[str, Any]:
-    from fxpass.backends.bpu.host import ort as rt
+    from fxpass.backends.onnx.host import ort as rt
 
     fused, args, in_generate, fused_nodes, gen = _capture(name, True)
     plain, plain_args, _, plain_nodes, _ = _capture(name, False)

@@ -42,7 +42,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def split(model: str, tokens: int, repeats: int) -> dict[str, Any]:
     """Time the four contenders on ``model`` at ``tokens`` tokens (fp32, batch 1)."""
-    import fxpass.backends.bpu.runtime as rt
+    import fxpass.jit.runtime as rt
 
     torch._dynamo.reset()
     wrapped, inputs = Case(model, "fp32", tokens).build()

@@ -32,7 +32,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def run(vocab: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     from fxpass.backends.bpu import compile_for_generate
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     model, kw = zoo.get("qwen3", layers=4, hidden=512, heads=8, kv_heads=4, vocab=vocab,
                         tokens=PROMPT)

@@ -44,7 +44,7 @@ CASES = {
 
 def _forward(name: str, kw: dict[str, Any], cache: str) -> dict[str, Any]:
     import fxpass
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     model, kwargs = zoo.get(name, **kw)
     compiled = torch.compile(model, backend="fxpass_bpu", dynamic=False,
@@ -79,7 +79,7 @@ def _decode(cache: str) -> dict[str, Any]:
 
 
 def child(case: str, variant: str, cache: str) -> None:
-    from fxpass.backends.bpu.host import ort as runtime
+    from fxpass.backends.onnx.host import ort as runtime
 
     runtime.STOP_SPINNING = variant == "stop"
     name, kw = CASES[case]

@@ -34,8 +34,8 @@ OUT = Path(__file__).resolve().parent / "results"
 
 def one(model_name: str, tokens: int) -> dict[str, Any]:
     from benchmarks.harness import interleave
-    from fxpass.backends.bpu.host import prepare as host
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.backends.onnx.host import prepare as host
+    from fxpass.tools import zoo
 
     model, kw = zoo.get(model_name, layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000,
                         tokens=tokens, dtype=torch.float32)

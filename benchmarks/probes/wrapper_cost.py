@@ -54,7 +54,7 @@ def _one(name: str, path: str, new_tokens: int) -> tuple[float, float]:
 
 
 def measure(name: str, new_tokens: int, rounds: int) -> dict[str, Any]:
-    import fxpass.backends.bpu.hf.generation as gen
+    import fxpass.hf.generation as gen
 
     got: dict[str, list[tuple[float, float]]] = {p: [] for p in PATHS}
     for _ in range(rounds):

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 def main() -> None:
     pkg, inputs, out = sys.argv[1:4]
     # imported first, so that any compile load() ran would count here
-    from fxpass.backends.bpu.backend import STATS
+    from fxpass.jit.backend import STATS
     from fxpass.passmanager import PassManager
 
     runs = []

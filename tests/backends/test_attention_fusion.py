@@ -1,4 +1,4 @@
-"""The host's attention fusion (``backends/bpu/host/attention.py``), end to end through
+"""The host's attention fusion (``backends/onnx/host/attention.py``), end to end through
 ``torch.compile``: which forms fuse into one ``Attention`` node, which must not, and that every
 one matches eager (float32: atol 1e-5 scaled by the output's magnitude)."""
 
@@ -141,7 +141,7 @@ def test_guard_keeps_the_fused_branch_on_ordinary_inputs(opts):
     decomposed branch made to fail."""
     import onnx
 
-    from fxpass.backends.bpu.host import build as C
+    from fxpass.backends.onnx.host import build as C
 
     seen = []
     real = C.fuse_for_ort
@@ -277,7 +277,7 @@ def test_plain_softmax_is_not_fused(opts):
 def test_without_the_kernel_nothing_fuses(opts, monkeypatch):
     """onnxruntime releases the project allows (>= 1.20) may lack opset 23's Attention on the
     CPU: the probe says so once, and the regions stay decomposed instead of failing."""
-    from fxpass.backends.bpu.host import attention
+    from fxpass.backends.onnx.host import attention
 
     assert attention.kernel_available(), "the pinned onnxruntime has the kernel"
     monkeypatch.setattr(attention, "kernel_available", lambda: False)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu.runtime import RegionFallbackWarning
-from fxpass.backends.bpu.tools import zoo
+from fxpass.jit.runtime import RegionFallbackWarning
+from fxpass.tools import zoo
 
 MODELS = ["qwen3", "llama", "mistral", "gpt2", "bert", "vit"]
 
@@ -140,7 +140,7 @@ def test_generate_with_compiled_forward_matches_eager(opts):
 
 def test_dynamic_shapes_are_specialized_without_a_warning(opts):
     """dynamic=True used to put the whole graph on the CPU with a warning asking for
-    dynamic=False; now each input signature gets a static variant (backends/bpu/shapes.py)."""
+    dynamic=False; now each input signature gets a static variant (fxpass/jit/shapes.py)."""
     import fxpass
 
     m = SideBranch().eval()
@@ -177,7 +177,7 @@ def test_training_graph_stays_eager_with_correct_gradients(opts):
 def test_option_type_errors_name_the_type_wanted(options, message):
     """Found by a probe: the message read "must be raise instead of falling back to eager;
     got str" (the help text in place of the type)."""
-    from fxpass.backends.bpu.options import from_options as validate_options
+    from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match=message):
         validate_options(options)
@@ -208,7 +208,7 @@ def test_options_are_validated(opts):
 
 def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
     import fxpass.backends.bpu.compile as comp
-    import fxpass.backends.bpu.host.build as build
+    import fxpass.backends.onnx.host.build as build
 
     def broken(*a, **k):
         raise RuntimeError("injected compile failure")
@@ -231,9 +231,9 @@ def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
 def test_guard_keeps_one_variant_per_weights_and_evicts_stale_versions():
     """GuardedGraph directly: a second set of weights adds a variant, switching back hits it,
     and an in-place write replaces the variant of those same tensors (it can never match again)."""
-    from fxpass.backends.bpu.guarded import GuardedGraph
-    from fxpass.backends.bpu.options import from_options as validate_options
     from fxpass.graph import FROZEN
+    from fxpass.jit.guarded import GuardedGraph
+    from fxpass.jit.options import from_options as validate_options
     from tests.conftest import trace
 
     x, w1, w2 = torch.randn(4, 16), torch.randn(16, 16), torch.randn(16, 16)
@@ -257,7 +257,7 @@ def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
     left spinning they made this graph about 11x slower than eager on 2 cores
     (`benchmarks.probes.spinning`).
     Checked on every session the compile makes, cold and from a plan hit."""
-    from fxpass.backends.bpu.host import ort as runtime
+    from fxpass.backends.onnx.host import ort as runtime
 
     made = []
     real_init = runtime.OrtExecutor.__init__
@@ -316,7 +316,7 @@ def test_max_reduction_runs_as_a_pool_in_the_region_with_eager_nan_and_inf(opts)
 def test_a_graph_that_fails_before_partitioning_runs_eagerly_with_a_warning(opts, monkeypatch):
     # a failure before there are regions (here: in the rewrite phase) must not end the user's
     # program: the captured graph is eager's answer; strict=True raises
-    import fxpass.backends.bpu.backend as be
+    import fxpass.jit.backend as be
 
     def broken(self, gm, **kw):
         raise RuntimeError("injected rule failure")
@@ -339,7 +339,7 @@ def test_a_graph_that_fails_before_partitioning_runs_eagerly_with_a_warning(opts
 def test_check_mode_contract_errors_are_not_swallowed_by_the_fallback(opts, monkeypatch):
     # check=True asks for rule-contract failures; the graph-level fallback must not turn them
     # into a warning (review)
-    import fxpass.backends.bpu.backend as be
+    import fxpass.jit.backend as be
     from fxpass import ContractError
 
     def broken(self, gm, **kw):
@@ -377,7 +377,7 @@ def test_graph_break_inside_repeated_layers_compiles_each_layers_weights(opts):
     weight guard took layer 2's weights for layer 1's weights changed, warned, rebuilt, and
     after two rebuilds ran every layer's graph eagerly for good. Another instance's weights are
     a variant: compiled once each, no warning, and calls after the first compile nothing."""
-    from fxpass.backends.bpu.backend import STATS
+    from fxpass.jit.backend import STATS
 
     m, x = _stack(6), torch.randn(4, 16)
     c = torch.compile(m, backend="fxpass_bpu", dynamic=False, options=opts)
@@ -420,7 +420,7 @@ def test_more_weight_sets_than_max_variants_run_eagerly_with_a_reason(opts):
 
 
 def test_max_variants_must_be_positive():
-    from fxpass.backends.bpu.options import from_options as validate_options
+    from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="max_variants"):
         validate_options({"max_variants": 0})
@@ -475,7 +475,7 @@ def test_a_frozen_buffer_written_between_calls_becomes_an_input_once(opts):
     values (a ``load_state_dict`` keeps BatchNorm statistics foldable), a second one makes it
     an input read at every call; no warning, never a stale answer, and later writes cost
     nothing."""
-    from fxpass.backends.bpu.backend import STATS
+    from fxpass.jit.backend import STATS
 
     class Scaled(torch.nn.Module):
         def __init__(self):
@@ -551,7 +551,7 @@ def test_a_graph_worth_offloading_that_offloads_nothing_says_why(tmp_path):
     """Found by a probe: a float64 model compiled to 0 regions without a word (only the report
     said why). A graph above ``min_compute_macs`` that offloads nothing warns once, naming its
     most common CPU reason."""
-    from fxpass.backends.bpu import backend as backend_mod
+    from fxpass.jit import backend as backend_mod
 
     backend_mod._WARNED.discard(next((k for k in backend_mod._WARNED if "float64" in k), ""))
     m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
@@ -663,7 +663,7 @@ def test_as_strided_reads_eager_layout_over_region_outputs(opts):
 
 
 def test_restrided_lays_values_out_in_the_given_strides():
-    from fxpass.backends.bpu.device.partition import restrided
+    from fxpass.partition.partition import restrided
 
     base = torch.arange(12.0).reshape(3, 4)
     eager = base.t()  # strides (1, 4)
@@ -698,7 +698,7 @@ def test_integer_pow_wraps_as_in_eager(opts, dtype):
 def test_a_raising_rule_is_named_with_its_plugin_and_the_fix(opts, monkeypatch):
     """Found by a probe: a user's plugin rule that raised sent the graph to eager with
     "please report it" (to fxpass); the warning names the rule's plugin and how to skip it."""
-    import fxpass.backends.bpu.backend as be
+    import fxpass.jit.backend as be
     from fxpass.rewriter import RuleError
 
     def broken(self, gm, **kw):
@@ -713,7 +713,7 @@ def test_a_raising_rule_is_named_with_its_plugin_and_the_fix(opts, monkeypatch):
 
 def test_a_bad_fxpass_variable_is_an_error_naming_it(monkeypatch):
     """Found by a probe: FXPASS_REWRITE_LIMIT=abc sent every graph to eager with a warning."""
-    from fxpass.backends.bpu.options import from_options as validate_options
+    from fxpass.jit.options import from_options as validate_options
 
     monkeypatch.setenv("FXPASS_REWRITE_LIMIT", "abc")
     with pytest.raises(ValueError, match="FXPASS_REWRITE_LIMIT='abc' is invalid"):

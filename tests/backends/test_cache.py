@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu.cache import ArtifactCache, region_key
+from fxpass.jit.cache import ArtifactCache, region_key
 from tests.conftest import trace
 
 SCRIPT = textwrap.dedent(
     """
     import json, sys, time, torch
     # the model only; the backend is found through its entry point
-    import fxpass.backends.bpu.tools.zoo as zoo
+    import fxpass.tools.zoo as zoo
     model, kw = zoo.get("qwen3", layers=1)
     t = time.perf_counter()
     with torch.no_grad():
@@ -104,11 +104,11 @@ def test_put_file_moves_and_get_path_verifies_by_streaming(tmp_path):
 
 # -- cached plans: a warm compile skips the rules and the partitioner (issue 12, item 3) --------
 
-from fxpass.backends.bpu import backend as backend_mod  # noqa: E402
-from fxpass.backends.bpu import digest as digest_mod  # noqa: E402
-from fxpass.backends.bpu import options as options_mod  # noqa: E402
-from fxpass.backends.bpu import plan as plan_mod  # noqa: E402
-from fxpass.backends.bpu.runtime import RegionFallbackWarning  # noqa: E402
+from fxpass.jit import backend as backend_mod  # noqa: E402
+from fxpass.jit import digest as digest_mod  # noqa: E402
+from fxpass.jit import options as options_mod  # noqa: E402
+from fxpass.jit import plan as plan_mod  # noqa: E402
+from fxpass.jit.runtime import RegionFallbackWarning  # noqa: E402
 
 XS = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
 
@@ -155,7 +155,7 @@ def test_warm_plan_hit_binds_in_place_weights(rows, tmp_path, monkeypatch):
     version of binding by region attribute passed the plan's placeholder map instead: every
     such region missed its plan (a warm Qwen3 process: 0.35 s instead of 0.25 s), which the
     small-weights MLP above could not show."""
-    from fxpass.backends.bpu.host import build as compile_mod
+    from fxpass.backends.onnx.host import build as compile_mod
 
     # a model onnxruntime saves optimized reads its own file, never initializers: keep the
     # entry unoptimized so the hit binds them (as for a region with attention ``If``s)
@@ -235,7 +235,7 @@ def test_fxpass_check_reaches_the_backend(monkeypatch):
 
 
 def test_source_digest_covers_subpackages_and_keys_every_region(tmp_path, monkeypatch):
-    """Found by a probe: a fix inside ``backends/bpu/device/lowering/`` (a subpackage) changed no
+    """Found by a probe: a fix inside ``backends/onnx/lowering/`` (a subpackage) changed no
     key, so a warm cache kept loading the old, wrong model. The source digest now walks
     subpackages, and region keys (not only plan keys) include it."""
     pkg = tmp_path / "probe_pkg"
@@ -256,7 +256,7 @@ def test_source_digest_covers_subpackages_and_keys_every_region(tmp_path, monkey
 
 
 def test_region_failing_on_a_plan_hit_rebuilds_its_eager_graph(tmp_path, monkeypatch):
-    from fxpass.backends.bpu.runtime import RegionCall
+    from fxpass.jit.runtime import RegionCall
 
     m = _mlp()
     _compile(m, cache_dir=str(tmp_path))
@@ -352,7 +352,7 @@ def test_rule_identity_covers_the_helpers_beside_a_rule(tmp_path, monkeypatch):
     import sys
     import types
 
-    from fxpass.backends.bpu import digest
+    from fxpass.jit import digest
 
     pkg = tmp_path / "probeplugin"
     pkg.mkdir()
@@ -382,7 +382,7 @@ def test_rule_identity_of_a_rule_in_a_namespace_package(tmp_path, monkeypatch):
     hashing its directory raised out of the plan key, sending every graph to eager."""
     import sys
 
-    from fxpass.backends.bpu import digest
+    from fxpass.jit import digest
 
     (tmp_path / "nsorg" / "rules").mkdir(parents=True)  # nsorg: a namespace package
     (tmp_path / "nsorg" / "rules" / "__init__.py").write_text("")

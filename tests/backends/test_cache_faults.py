@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu import cache as cache_mod
-from fxpass.backends.bpu.cache import ArtifactCache, region_key
-from fxpass.backends.bpu.device import board
-from fxpass.backends.bpu.host import build as compile_mod
+from fxpass.backends.bpu import board
+from fxpass.backends.onnx.host import build as compile_mod
+from fxpass.jit import cache as cache_mod
+from fxpass.jit.cache import ArtifactCache, region_key
 from tests.backends import fake_hbdk4
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpass
-from fxpass.backends.bpu.device.capability import DEVICE_FAMILIES, MARCHES, Capability, march
-from fxpass.backends.bpu.device.lowering import FAMILIES, LOWERINGS, OPS
+from fxpass.backends.bpu.capability import DEVICE_FAMILIES, MARCHES, Capability, march
+from fxpass.backends.onnx.lowering import FAMILIES, LOWERINGS, OPS
 from tests.conftest import trace
 
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ def test_every_accepted_op_has_an_emitter_and_every_emitter_a_family() -> None:
 
 def test_capability_and_lowering_give_the_same_reason() -> None:
     """The lowering's precondition is the capability without the march limits."""
-    from fxpass.backends.bpu.device.lowering import can_lower
+    from fxpass.backends.onnx.lowering import can_lower
 
     x = torch.randn(2, 3, 9, 9)
     gm = trace(lambda x: F.max_pool2d(x, 3, 2, ceil_mode=True, return_indices=True), x)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fxpass
-import fxpass.backends.bpu.host.ort as ort
-import fxpass.backends.bpu.runtime as rt
+import fxpass.backends.onnx.host.ort as ort
+import fxpass.jit.runtime as rt
 
 
 class Light(torch.nn.Module):
@@ -106,7 +106,7 @@ def test_heavy_cpu_ops_keep_torchs_thread_count(opts, monkeypatch, two_threads):
 
 
 def test_cpu_threads_option_is_validated(opts):
-    from fxpass.backends.bpu.options import from_options as validate_options
+    from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="cpu_threads.*between 1 and"):
         validate_options({**opts, "cpu_threads": 0})

@@ -33,7 +33,7 @@ def mlp():
 
 def lm():
     """(model, kwargs), with --generate too: the inputs are unused there, the contract holds."""
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     return zoo.get("qwen3", layers=1, hidden=64, vocab=128)
 '''

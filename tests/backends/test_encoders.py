@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 
-from fxpass.backends.bpu.backend import STATS
-from fxpass.backends.bpu.hf.encoders import (
+from fxpass.hf.encoders import (
     by_rows,
     check_buckets,
     compile_for_encoder,
     pad_inputs,
 )
+from fxpass.jit.backend import STATS
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -115,7 +115,7 @@ def test_bad_bucket_specs_are_refused(bad, why):
 
 def test_export_for_encoder_packages_one_program_per_bucket_sharing_weights(tmp_path):
     from fxpass.backends.bpu import load
-    from fxpass.backends.bpu.hf.encoders import export_for_encoder
+    from fxpass.hf.encoders import export_for_encoder
 
     eager = _encoder("bert")
     program = export_for_encoder(_encoder("bert"), buckets={"seq": [16, 32], "batch": [2]})

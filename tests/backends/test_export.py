@@ -18,9 +18,9 @@ import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fxpass.aot.package import MANIFEST, PackageError, sign
 from fxpass.backends.bpu import export, load
-from fxpass.backends.bpu.aot.package import MANIFEST, PackageError, sign
-from fxpass.backends.bpu.tools import zoo
+from fxpass.tools import zoo
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +191,7 @@ def test_export_refuses_a_model_that_writes_its_buffers():
 
 def test_a_region_program_called_without_load_names_the_fix(bert_package, tmp_path):
     """torch.export.load alone gives a program whose regions are not open: a clear error."""
-    from fxpass.backends.bpu.aot import runtime as export_mod
+    from fxpass.aot import runtime as export_mod
 
     _, kw, program, path = bert_package
     key = program.regions[0].key

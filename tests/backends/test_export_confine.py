@@ -16,11 +16,11 @@ import onnx
 import pytest
 import torch
 
+from fxpass.aot import confine
+from fxpass.aot.package import MANIFEST, PackageError, _file_digest, sign
 from fxpass.backends.bpu import export, load
-from fxpass.backends.bpu.aot import confine
-from fxpass.backends.bpu.aot.package import MANIFEST, PackageError, _file_digest, sign
-from fxpass.backends.bpu.digest import HASH_NAME
-from fxpass.backends.bpu.tools import zoo
+from fxpass.jit.digest import HASH_NAME
+from fxpass.tools import zoo
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fxpass.backends.bpu import export_for_generate, load
-from fxpass.backends.bpu.tools import zoo
+from fxpass.tools import zoo
 from tests.backends.test_export import _fresh_process
 
 CACHE, CHUNK = 48, 8

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from fxpass.backends.bpu import export, export_for_generate
-from fxpass.backends.bpu.tools import zoo
+from fxpass.tools import zoo
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what a deployed process must not import (unless the package names it). torch 2.13's own
 #: ``import torch`` imports torch.export: listed for the releases whose import does not.
 HEAVY = ("torch._dynamo", "torch.export", "torch._inductor", "transformers", "onnx",
          "onnxscript", "hypothesis", "pytest", "sympy", "fxpass.rules",
-         "fxpass.backends.bpu.device.lowering", "fxpass.backends.bpu.aot.export",
-         "fxpass.backends.bpu.options")
+         "fxpass.backends.onnx.lowering", "fxpass.aot.export",
+         "fxpass.jit.options")
 
 _CHILD = """
 import json, sys
@@ -82,7 +82,7 @@ def test_a_plain_package_imports_nothing_heavy(tmp_path):
 def test_a_bucket_package_imports_transformers_for_its_outputs_and_nothing_else(tmp_path):
     """BERT's outputs are transformers' ``ModelOutput`` types: their module is imported (the
     package needs it to rebuild its output), the rest of the heavy list is not."""
-    from fxpass.backends.bpu.hf.encoders import export_for_encoder
+    from fxpass.hf.encoders import export_for_encoder
 
     model, _ = zoo.get("bert")
     path = export_for_encoder(model, buckets={"seq": [8], "batch": [1]}).save(tmp_path / "enc")

@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
+from fxpass.aot.package import PackageError
+from fxpass.aot.runtime import ExportError
 from fxpass.backends.bpu import export, export_for_generate, load
-from fxpass.backends.bpu.aot.package import PackageError
-from fxpass.backends.bpu.aot.runtime import ExportError
-from fxpass.backends.bpu.tools import zoo
+from fxpass.tools import zoo
 from tests.backends import fake_hbdk4
 from tests.backends.test_hbdk4_contract import _batches, _model
 
@@ -109,7 +109,7 @@ def test_quantized_generate_export_calibrates_prefill_and_decode(tmp_path):
 
 
 def test_quantized_encoder_buckets_each_calibrate_on_inputs_of_their_size(tmp_path):
-    from fxpass.backends.bpu.hf.encoders import export_for_encoder
+    from fxpass.hf.encoders import export_for_encoder
 
     m, _ = zoo.get("bert")
 

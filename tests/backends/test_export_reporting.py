@@ -15,10 +15,10 @@ import warnings
 import pytest
 import torch
 
+from fxpass.aot.export import NoRegionWarning
+from fxpass.aot.runtime import ExportError
 from fxpass.backends.bpu import export, export_for_generate
-from fxpass.backends.bpu.aot.export import NoRegionWarning
-from fxpass.backends.bpu.aot.runtime import ExportError
-from fxpass.backends.bpu.tools import zoo
+from fxpass.tools import zoo
 from tests.backends.blockers import block
 
 

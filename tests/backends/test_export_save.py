@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fxpass.aot import write
+from fxpass.aot.package import PackageError
 from fxpass.backends.bpu import export, load
-from fxpass.backends.bpu.aot import write
-from fxpass.backends.bpu.aot.package import PackageError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,7 @@ def test_a_first_save_that_fails_leaves_nothing(programs, tmp_path, monkeypatch)
 _KILLED = """
 import os, sys
 from pathlib import Path
-from fxpass.backends.bpu.aot import write
+from fxpass.aot import write
 tmp, dest, step = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 real_replace, real_rmtree = os.replace, write.shutil.rmtree
 calls = []

@@ -84,7 +84,7 @@ def test_compile_for_generate_passes_a_guard_filter_to_torch(opts):
     it as an unknown backend option. With the filter the weight guard still sees a replaced
     weight, so the tokens follow eager's with the new weight."""
     from fxpass.backends.bpu import compile_for_generate
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     model, kw = zoo.get("qwen3", layers=2, tokens=8)
     ids = kw["input_ids"]

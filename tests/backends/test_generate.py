@@ -13,8 +13,8 @@ import torch
 
 import fxpass
 from fxpass.backends.bpu import compile_for_generate
-from fxpass.backends.bpu.hf.generation import GrowingCacheWarning
-from fxpass.backends.bpu.tools import zoo
+from fxpass.hf.generation import GrowingCacheWarning
+from fxpass.tools import zoo
 
 # the second tier (pytest -m slow): long generation and many-architecture sweeps
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def test_dynamic_cache_warns_once_and_names_the_fix(opts):
     model, ids = _model("qwen3")
     expected = _generate(model, ids, n=4)
     model.forward = torch.compile(model.forward, backend="fxpass_bpu", dynamic=False, options=opts)
-    import fxpass.backends.bpu.hf.generation as gen
+    import fxpass.hf.generation as gen
 
     gen._warned = False
     with warnings.catch_warnings(record=True) as w:
@@ -198,7 +198,7 @@ def _sliding(window: int = 8):
 
 
 def test_sliding_window_cache_is_one_graph_per_regime(opts):
-    from fxpass.backends.bpu.hf.generation import RecompileWarning
+    from fxpass.hf.generation import RecompileWarning
 
     model, ids = _sliding()
     # 4 prompt tokens + 12 new cross the 8-slot window: the cache fills, then rolls
@@ -227,7 +227,7 @@ def test_sliding_window_cache_is_one_graph_per_regime(opts):
 
 
 def test_sliding_window_recompiles_warn_once_naming_the_fix(opts):
-    import fxpass.backends.bpu.hf.generation as gen
+    import fxpass.hf.generation as gen
 
     model, ids = _sliding()
     expected = _generate(model, ids, n=4, cache_implementation="static")
@@ -310,7 +310,7 @@ def test_bf16_generate_is_one_region_per_graph(opts):
 def test_compile_for_generate_again_recompiles_the_models_own_forward(opts):
     """Found by a probe: a second call (to change max_cache_len) raised torch's "already has a
     get_compiler_config attribute" from inside the first compile's wrapper."""
-    from fxpass.backends.bpu.hf.generation import UNCOMPILED
+    from fxpass.hf.generation import UNCOMPILED
 
     model, ids = _model("qwen3")
     own = model.forward
@@ -327,7 +327,7 @@ def test_an_input_growing_every_call_warns_once_naming_the_cause(opts):
     """Found by a probe: MPT under transformers 5 keeps no KV cache, so generate() feeds the
     whole sequence at every token; each length was a new graph until Dynamo's limit, with no
     word from fxpass. Lengths that jump (new prompts) are ordinary recompiles."""
-    import fxpass.backends.bpu.hf.generation as gen
+    import fxpass.hf.generation as gen
 
     w = torch.randn(16, 16)
 
@@ -355,7 +355,7 @@ def test_a_weight_variant_rebuilt_at_run_time_is_no_recompile(opts):
     """From the review: Dynamo keeps its last recompile reason after a compile ends, and the
     per-layer variants of a graph-broken stack, built at run time, counted one length change
     once per layer: a false "grows every call" warning."""
-    import fxpass.backends.bpu.hf.generation as gen
+    import fxpass.hf.generation as gen
     from tests.backends.test_backend import _stack  # a graph break inside each layer
 
     m = _stack(3)
@@ -394,7 +394,7 @@ def test_hf_loop_between_steps_runs_on_loop_threads(opts, loop_threads):
     compile_for_generate(model, max_cache_len=32, options=opts, loop_threads=loop_threads)
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
-    import fxpass.backends.bpu.guarded as be
+    import fxpass.jit.guarded as be
 
     steps = []
     real = be.GuardedGraph.__call__
@@ -422,7 +422,7 @@ def test_loop_threads_state_is_per_python_thread():
     thread's count and kept loop_threads after."""
     import threading
 
-    from fxpass.backends.bpu.hf.generation import _GenerateState
+    from fxpass.hf.generation import _GenerateState
 
     loop = _GenerateState(1)
     loop.caller = 2
@@ -466,7 +466,7 @@ def test_step_counters_config_is_set_only_for_a_cache_that_counts_in_python(slid
 
     from transformers import StaticCache
 
-    from fxpass.backends.bpu.hf.generation import (
+    from fxpass.hf.generation import (
         STEP_COUNTERS,
         _GenerateState,
         _step_counters_symbolic,
@@ -597,7 +597,7 @@ def _falcon_chunked_prefill_fails(model, ids) -> bool:
 
 
 def test_a_model_whose_chunked_prefill_fails_runs_again_without_chunks(opts):
-    from fxpass.backends.bpu.hf.prefill import PrefillChunkWarning
+    from fxpass.hf.prefill import PrefillChunkWarning
 
     model = _own_config("FalconConfig", "FalconForCausalLM", num_attention_heads=4)
     a, b = _prompt(model, 8), _prompt(model, 11, seed=1)
@@ -676,7 +676,7 @@ def test_the_automatic_chunk_is_chosen_again_after_a_warm_up_prompt(opts):
 def test_an_error_before_any_forward_call_is_not_retried_and_keeps_chunks(opts):
     """From the review: a bad argument raised twice, blamed HF's chunked prefill and turned
     chunks off for good."""
-    from fxpass.backends.bpu.hf.prefill import PrefillChunkWarning
+    from fxpass.hf.prefill import PrefillChunkWarning
 
     model, _ = _model("qwen3")
     compile_for_generate(model, max_cache_len=40, options=opts, prefill_chunk=8)
@@ -712,7 +712,7 @@ def test_opt_on_its_own_config_keeps_chunks(opts):
     """The architectures benchmark's OPT (and GPT-NeoX, Bloom, ...) fell back only because its
     shared config sets num_key_value_heads, which HF's cache sizing reads and OPT ignores; on
     OPT's own config the prompts run in chunks, with eager's tokens and no warning."""
-    from fxpass.backends.bpu.hf.prefill import PrefillChunkWarning
+    from fxpass.hf.prefill import PrefillChunkWarning
 
     model = _own_config("OPTConfig", "OPTForCausalLM", ffn_dim=128, num_attention_heads=4,
                         word_embed_proj_dim=64)

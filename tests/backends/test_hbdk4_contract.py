@@ -15,11 +15,11 @@ import torch
 import fxpass
 from fxpass import PassManager, capture, select_rules
 from fxpass.backends.bpu import calibrate
-from fxpass.backends.bpu.device import quantize as Q
-from fxpass.backends.bpu.device.capability import Capability, march
-from fxpass.backends.bpu.device.lowering import lower
-from fxpass.backends.bpu.device.partition import partition
-from fxpass.backends.bpu.device.region import extract
+from fxpass.backends.bpu.capability import Capability, march
+from fxpass.backends.onnx import quantize as Q
+from fxpass.backends.onnx.lowering import lower
+from fxpass.partition.partition import partition
+from fxpass.partition.region import extract
 from tests.backends import fake_hbdk4
 from tests.backends.test_backend import SideBranch
 

@@ -1,4 +1,4 @@
-"""The lowering (fxpass.backends.bpu.device.lowering): every lowering runs in onnxruntime and
+"""The lowering (fxpass.backends.onnx.lowering): every lowering runs in onnxruntime and
 matches eager PyTorch.
 
 Expected values always come from eager PyTorch on the same random inputs, never from the code
@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxpass.backends.bpu.device.lowering import LOWERINGS, LoweringError, can_lower, lower
+from fxpass.backends.onnx.lowering import LOWERINGS, LoweringError, can_lower, lower
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -717,7 +717,7 @@ def test_weight_views_become_one_initializer(dtype: torch.dtype) -> None:
 def test_weightless_lowering_fills_in_to_the_same_model() -> None:
     """``lower_weightless`` + ``write_weights`` (the host compile path, where the fusions then
     rewrite kilobytes instead of every weight) gives exactly ``lower``'s model."""
-    from fxpass.backends.bpu.device.lowering import lower_weightless, write_weights
+    from fxpass.backends.onnx.lowering import lower_weightless, write_weights
 
     block = TinyDecoderBlock().eval()
     x = torch.randn(6, 16)
@@ -734,12 +734,12 @@ def test_weights_written_outside_load_back_to_the_same_model(tmp_path) -> None:
     ``EXTERNAL_ALIGN`` bytes or more in a file at an offset onnxruntime can map (a multiple of
     it), smaller ones packed, and the model it names them from loads back to exactly ``lower``'s
     weights; onnxruntime runs it to eager's answer."""
-    from fxpass.backends.bpu.device.lowering import (
+    from fxpass.backends.onnx.lowering import (
         lower_weightless,
         point_external,
         write_weights_file,
     )
-    from fxpass.backends.bpu.device.lowering.driver import EXTERNAL_ALIGN
+    from fxpass.backends.onnx.lowering.driver import EXTERNAL_ALIGN
 
     block = TinyDecoderBlock().eval()
     x = torch.randn(6, 16)
@@ -773,8 +773,8 @@ def test_host_fusions_are_safe_from_parallel_region_compiles() -> None:
     back to eager (seen as a flaky ViT bf16 test)."""
     import threading
 
-    from fxpass.backends.bpu.device.lowering import lower_weightless
-    from fxpass.backends.bpu.host.prepare import fuse_for_ort
+    from fxpass.backends.onnx.host.prepare import fuse_for_ort
+    from fxpass.backends.onnx.lowering import lower_weightless
 
     def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxpass.backends.bpu.device.capability import DEFAULT_MARCH, Capability, march
-from fxpass.backends.bpu.device.lowering import LoweringError, can_lower, lower
+from fxpass.backends.bpu.capability import DEFAULT_MARCH, Capability, march
+from fxpass.backends.onnx.lowering import LoweringError, can_lower, lower
 from tests.backends.test_lower import trace
 
 aten = torch.ops.aten

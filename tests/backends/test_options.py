@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from fxpass.backends.bpu.options import NOT_KEYED, OPTIONS, REGION_KEYED, Options, from_options
+from fxpass.jit.options import NOT_KEYED, OPTIONS, REGION_KEYED, Options, from_options
 
 
 def test_the_table_and_the_fields_are_the_same_options() -> None:

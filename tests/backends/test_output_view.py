@@ -1,4 +1,4 @@
-"""The host's output-view pass (``backends/bpu/host/output_view.py``): a region output that is a
+"""The host's output-view pass (``backends/onnx/host/output_view.py``): a region output that is a
 ``Reshape`` leaves onnxruntime unreshaped (no copy) and ``RegionCall`` views it back.
 
 End to end: the outputs keep eager's shapes and values (float32: rtol 1e-5, atol 1e-5). On
@@ -16,7 +16,7 @@ import torch
 from onnx import TensorProto, helper
 
 import fxpass
-from fxpass.backends.bpu.host.output_view import output_views
+from fxpass.backends.onnx.host.output_view import output_views
 
 
 def _compile(fn, *args, opts):

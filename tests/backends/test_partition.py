@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule
 
-from fxpass.backends.bpu.device.cost import macs
-from fxpass.backends.bpu.device.partition import is_convex, partition
+from fxpass.partition.cost import macs
+from fxpass.partition.partition import is_convex, partition
 from tests.conftest import trace
 
 aten = torch.ops.aten

@@ -14,9 +14,9 @@ import torch
 
 import fxpass
 from fxpass.backends.bpu import calibrate
-from fxpass.backends.bpu.device import quantize as Q
-from fxpass.backends.bpu.tools import zoo
+from fxpass.backends.onnx import quantize as Q
 from fxpass.cli import main
+from fxpass.tools import zoo
 
 #: measured on qwen3-tiny, held-out batch: w8a16 0.99994, w8a8 0.99956 (last-token logits)
 COSINE = {"w8a16": 0.9995, "w8a8": 0.998}
@@ -258,10 +258,10 @@ def test_host_weight_folding_keeps_the_numbers_of_the_qdq_model():
     import onnxruntime as ort
 
     from fxpass import PassManager, capture, select_rules
-    from fxpass.backends.bpu.device.capability import Capability, march
-    from fxpass.backends.bpu.device.lowering import lower
-    from fxpass.backends.bpu.device.partition import partition
-    from fxpass.backends.bpu.device.region import extract
+    from fxpass.backends.bpu.capability import Capability, march
+    from fxpass.backends.onnx.lowering import lower
+    from fxpass.partition.partition import partition
+    from fxpass.partition.region import extract
 
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
     (gm,) = capture(_mlp(), x)
@@ -292,7 +292,7 @@ def test_quantize_refuses_unfrozen_weights():
     """Found by a probe: with freeze_weights=False the weights were graph inputs, calibrated
     like activations once; after a weight update the region kept the old ranges (cosine 0.89,
     no warning). The combination is refused with the fix."""
-    from fxpass.backends.bpu.options import from_options as validate_options
+    from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="needs freeze_weights=True"):
         validate_options({"quantize": "w8a16", "freeze_weights": False})

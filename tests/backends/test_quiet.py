@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fxpass.backends.bpu import calibrate
-from fxpass.backends.bpu.host.ort import ort_log_level
-from fxpass.backends.bpu.tools import zoo
+from fxpass.backends.onnx.host.ort import ort_log_level
+from fxpass.tools import zoo
 
 
 def test_compile_and_calibrate_print_nothing(capfd, opts):

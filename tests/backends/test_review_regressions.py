@@ -57,7 +57,7 @@ def test_threads_option_reaches_onnxruntime(opts, monkeypatch):
         seen.append(out.executor.session.get_session_options().intra_op_num_threads)
         return out
 
-    monkeypatch.setattr("fxpass.backends.bpu.backend.compile_region", spy)
+    monkeypatch.setattr("fxpass.jit.backend.compile_region", spy)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     with torch.no_grad():
         torch.compile(m, backend="fxpass_bpu", options={**opts, "threads": 1, "cache": False})(

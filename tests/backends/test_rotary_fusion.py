@@ -1,4 +1,4 @@
-"""The host's rotary fusion (``backends/bpu/host/rotary.py``), end to end through ``torch.compile``:
+"""The host's rotary fusion (``backends/onnx/host/rotary.py``) through ``torch.compile``:
 HF's rotate-half rotary becomes one ``RotaryEmbedding`` node per rotated tensor, forms it must
 not take are left alone, and every case matches eager (float32: rtol 1e-5, atol 1e-5 scaled by
 the output's magnitude; the kernel may fuse a multiply-add, 1 ulp)."""

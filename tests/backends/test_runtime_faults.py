@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fxpass
-import fxpass.backends.bpu.backend as backend
-import fxpass.backends.bpu.options as options_mod
+import fxpass.jit.backend as backend
+import fxpass.jit.options as options_mod
 
 
 class ZeroDim(torch.nn.Module):
@@ -41,7 +41,7 @@ class _no_fallback:
     def __enter__(self):
         import warnings
 
-        from fxpass.backends.bpu.runtime import RegionFallbackWarning
+        from fxpass.jit.runtime import RegionFallbackWarning
 
         self._cm = warnings.catch_warnings()
         self._cm.__enter__()
@@ -85,7 +85,7 @@ def test_an_output_of_another_size_falls_back_wherever_it_is(bad):
     among the outputs: eager's answer with a warning, never a crash in the view."""
     from torch.fx import symbolic_trace
 
-    from fxpass.backends.bpu.runtime import RegionCall, RegionFallbackWarning
+    from fxpass.jit.runtime import RegionCall, RegionFallbackWarning
 
     def fn(x):
         return x.view(2, 3) * 2, x.view(3, 2) + 1

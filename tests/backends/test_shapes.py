@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxpass.backends.bpu import shapes
-from fxpass.backends.bpu.backend import STATS
-from fxpass.backends.bpu.tools import zoo
+from fxpass.jit import shapes
+from fxpass.jit.backend import STATS
+from fxpass.tools import zoo
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -89,7 +89,7 @@ def test_evicted_variants_leave_no_process_wide_state(fresh, opts):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.graph_module import _loader
 
-    from fxpass.backends.bpu.report import REPORTS
+    from fxpass.jit.report import REPORTS
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16),

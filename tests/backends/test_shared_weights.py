@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu.host import build as compile_mod
-from fxpass.backends.bpu.host import entry as entry_mod
-from fxpass.backends.bpu.host.ort import OPT_LEVEL
+from fxpass.backends.onnx.host import build as compile_mod
+from fxpass.backends.onnx.host import entry as entry_mod
+from fxpass.backends.onnx.host.ort import OPT_LEVEL
 
 
 class _Recording(compile_mod.OrtExecutor):
@@ -179,7 +179,7 @@ def test_entry_parts_from_two_stores_are_a_miss(tmp_path, monkeypatch):
     replaced through the cache itself (a valid manifest, other values at the same offsets),
     which the parts' checksums in ``.host.json`` catch; it is rebuilt, and the answer is
     eager's."""
-    from fxpass.backends.bpu.cache import ArtifactCache
+    from fxpass.jit.cache import ArtifactCache
 
     m, x = _model(), torch.randn(16, 64)
     _compile(m, x, tmp_path, monkeypatch)
@@ -246,7 +246,7 @@ def test_store_interleaved_with_another_process_is_never_mixed(tmp_path, monkeyp
     process's model. Here another "process" stores a weights file with one other value right
     after this one stores its own: this process must keep answering from its own weights, and
     the entry it leaves must be a miss, not a hit over the other weights file."""
-    from fxpass.backends.bpu.cache import ArtifactCache
+    from fxpass.jit.cache import ArtifactCache
 
     real = ArtifactCache.put_file
 
@@ -299,7 +299,7 @@ def test_prepacked_weights_are_saved_only_for_the_tested_forms():
     with its prepacked weights (the architecture test caught it); Gemm/MatMul models load."""
     from onnx import TensorProto, helper
 
-    from fxpass.backends.bpu.host.prepare import saves_prepacked
+    from fxpass.backends.onnx.host.prepare import saves_prepacked
 
     def model(*nodes):
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
@@ -366,7 +366,7 @@ def test_small_written_weights_are_packed_large_ones_page_aligned(tmp_path):
     """Found in review: every written weight started at a 64 KiB boundary, so a decode
     entry's file (a few norm weights) was mostly zeros, hashed on every hit. Small weights
     are packed; a large one still starts on a boundary (onnxruntime maps it)."""
-    from fxpass.backends.bpu.device.lowering.driver import (
+    from fxpass.backends.onnx.lowering.driver import (
         EXTERNAL_ALIGN,
         Weights,
         write_weights_file,
@@ -421,7 +421,7 @@ def test_executor_initializers_replace_the_files_data(tmp_path):
     other values), and prepacks it (the run is a Gemm over the given weight)."""
     from onnx import TensorProto, helper
 
-    from fxpass.backends.bpu.host.ort import OrtExecutor
+    from fxpass.backends.onnx.host.ort import OrtExecutor
 
     w = torch.randn(32, 16)
     (tmp_path / "w.bin").write_bytes((w * -7).numpy().tobytes())  # not the weight

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxpass.backends.bpu.aot import memo as M
-from fxpass.backends.bpu.aot import writes as W
+from fxpass.aot import memo as M
+from fxpass.aot import writes as W
 
 aten = torch.ops.aten
 

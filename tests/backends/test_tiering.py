@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import fxpass
-from fxpass.backends.bpu.host import build as compile_mod
-from fxpass.backends.bpu.host import entry as entry_mod
-from fxpass.backends.bpu.host import prepare as host
-from fxpass.backends.bpu.host.ort import OrtExecutor, TieredExecutor, _tier_pool, settle
+from fxpass.backends.onnx.host import build as compile_mod
+from fxpass.backends.onnx.host import entry as entry_mod
+from fxpass.backends.onnx.host import prepare as host
+from fxpass.backends.onnx.host.ort import OrtExecutor, TieredExecutor, _tier_pool, settle
 
 
 class _Tiered(TieredExecutor):
@@ -288,7 +288,7 @@ def test_a_process_that_exits_right_after_its_first_call_still_stores_the_entry(
     its cache entry (the interpreter joins the tier thread), so the next process hits."""
     script = f"""
 import torch
-from fxpass.backends.bpu.host import prepare as host
+from fxpass.backends.onnx.host import prepare as host
 host.TIER_MIN_BYTES = 64 * 1024
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),

@@ -10,19 +10,49 @@ from fxpass.plugins import Command, load
 CORE = Path(__file__).resolve().parents[2] / "fxpass"
 
 
-def test_no_core_module_imports_a_backend():
-    offenders = []
-    for path in CORE.rglob("*.py"):
+#: The backend imports the core still makes while the device move is under way (issue 44).
+#: A ratchet: a new crossing fails, and so does a listed one that is gone (delete its line).
+#: The goal is the empty set.
+REMAINING = {
+    "fxpass/aot/export.py: fxpass.backends.onnx.calibration",
+    "fxpass/aot/package.py: fxpass.backends.bpu.board",
+    "fxpass/aot/package.py: fxpass.backends.bpu.marches",
+    "fxpass/aot/package.py: fxpass.backends.onnx.host.ort",
+    "fxpass/aot/quantized.py: fxpass.backends.bpu.board",
+    "fxpass/aot/quantized.py: fxpass.backends.bpu.compile",
+    "fxpass/aot/quantized.py: fxpass.backends.onnx.calibration",
+    "fxpass/aot/write.py: fxpass.backends.onnx.lowering.driver",
+    "fxpass/jit/backend.py: fxpass.backends.bpu.capability",
+    "fxpass/jit/backend.py: fxpass.backends.bpu.compile",
+    "fxpass/jit/options.py: fxpass.backends.bpu.capability",
+    "fxpass/jit/options.py: fxpass.backends.onnx.quantize",
+    "fxpass/jit/plan.py: fxpass.backends.onnx.host.entry",
+    "fxpass/jit/runtime.py: fxpass.backends.onnx.lowering.driver",
+    "fxpass/tools/demo.py: fxpass.backends.bpu",
+    "fxpass/tools/demo.py: fxpass.backends.onnx.host.ort",
+    "fxpass/tools/explain.py: fxpass.backends.bpu.capability",
+    "fxpass/tools/explain.py: fxpass.backends.onnx.calibration",
+}
+
+
+def _backend_imports() -> set[str]:
+    found = set()
+    for path in sorted(CORE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [("." * node.level) + (node.module or "")]
-            offenders += [
-                f"{path.name}: {n}" for n in names if "backends" in n and "torch." not in n
-            ]
-    assert not offenders, offenders
+            rel = path.relative_to(CORE.parent).as_posix()
+            found |= {f"{rel}: {n}" for n in names if "backends" in n and "torch." not in n}
+    return found
+
+
+def test_no_core_module_imports_a_backend():
+    found = _backend_imports()
+    assert not found - REMAINING, f"new backend imports in the core: {sorted(found - REMAINING)}"
+    assert not REMAINING - found, f"gone, delete from REMAINING: {sorted(REMAINING - found)}"
 
 
 def test_bpu_commands_come_from_its_plugin():

@@ -38,7 +38,7 @@ _PROBE = textwrap.dedent(
     with torch.no_grad():
         got = torch.compile(m, backend="fxpass_bpu", options={"min_compute_macs": 0})(x)
         torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
-    import fxpass.rules, fxpass.backends.bpu.backend as b
+    import fxpass.rules, fxpass.jit.backend as b
     print("OK", fxpass.rules.__name__, b.__name__)
     """
 )
@@ -60,7 +60,7 @@ def test_user_files_named_rules_or_backends_shadow_nothing(tmp_path: Path) -> No
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "OK fxpass.rules fxpass.backends.bpu.backend" in out.stdout
+    assert "OK fxpass.rules fxpass.jit.backend" in out.stdout
 
 
 def test_wheel_installs_only_the_fxpass_package(tmp_path: Path) -> None:
@@ -91,7 +91,7 @@ def test_wheel_installs_only_the_fxpass_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"fxpass", next(t for t in top if t.endswith(".dist-info"))}, top
-    assert "fxpass/rules/sdpa.py" in names and "fxpass/backends/bpu/backend.py" in names
+    assert "fxpass/rules/sdpa.py" in names and "fxpass/jit/backend.py" in names
     eps = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(eps).decode()
-    assert "fxpass.rules" in text and "fxpass.backends.bpu.backend:fxpass_bpu" in text
+    assert "fxpass.rules" in text and "fxpass.jit.backend:fxpass_bpu" in text

@@ -133,7 +133,7 @@ def test_rms_norm_matches_every_square_spelling(spelling):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rms_norm_finds_every_norm_of_a_captured_hf_model(family, dtype):
     import fxpass
-    from fxpass.backends.bpu.tools import zoo
+    from fxpass.tools import zoo
 
     torch._dynamo.reset()  # see test_models: captures in one process share HF's wrapper frame
     model, kw = zoo.get(family, dtype=dtype)

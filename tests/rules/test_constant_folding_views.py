@@ -62,7 +62,7 @@ def test_views_read_by_an_indexing_op_and_real_computations_still_fold() -> None
 
 
 def test_the_lowering_materializes_every_view_the_rule_leaves() -> None:
-    from fxpass.backends.bpu.device.lowering.table import WEIGHT_VIEWS
+    from fxpass.backends.onnx.lowering.table import WEIGHT_VIEWS
     from fxpass.rules.constant_folding import WEIGHT_VIEWS as LEFT
 
     assert LEFT <= WEIGHT_VIEWS

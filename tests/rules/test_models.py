@@ -5,9 +5,9 @@ import torch
 
 from fxpass import PassManager, select_rules
 from fxpass import capture_graphs as capture
-from fxpass.backends.bpu.tools import zoo
 from fxpass.rules._util import CAST
 from fxpass.rules.bf16_promotion import LOOKUPS
+from fxpass.tools import zoo
 
 aten = torch.ops.aten
 FORBIDDEN = {aten.alias.default, aten._safe_softmax.default}

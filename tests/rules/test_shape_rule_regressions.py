@@ -123,7 +123,7 @@ def test_group_norm_leaves_empty_and_mixed_dtype_inputs_alone():
 def test_recompile_reasons_are_read_as_python_ints_only(monkeypatch, reason, expected):
     import torch._dynamo.utils as du
 
-    from fxpass.backends.bpu.hf import generation
+    from fxpass.hf import generation
 
     class Metrics:
         _metrics = {"recompile_reason": reason}

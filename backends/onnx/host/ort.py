@@ -1,0 +1,264 @@
+"""The host executor's sessions: ``OrtExecutor`` runs a region's ONNX model in onnxruntime
+(zero-copy in: torch CPU tensors are handed over as numpy views; zero-copy out: numpy results
+become tensors without a copy), and ``TieredExecutor`` answers from an in-place-weights
+session while the prepacked one builds in the background."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from fxpass.jit.runtime import _malloc_trim, _np, _tensor
+
+#: onnxruntime's pool threads stop spinning when a run ends (``session.force_spinning_stop``).
+#: Why: between two region calls the CPU runs torch ops (routing, the embedding, cache writes)
+#: and the other regions. A pool left spinning holds a core of this 2-core host: a
+#: mixture-of-experts forward with 5 regions per graph took 188 ms with onnxruntime's default
+#: against 18.8 ms with this (eager: 17.4 ms), and a decode step 10.0 against 8.5 ms
+#: (``python -m benchmarks.probes.spinning``). Within a run the threads still spin between
+#: operators, so one region alone runs as before. Only that benchmark sets it to False.
+STOP_SPINNING = True
+
+#: onnxruntime graph optimizers left off. ``SkipLayerNormFusion`` folds a residual Add into
+#: the LayerNormalization after it; onnxruntime's CPU SkipLayerNormalization kernel is slower
+#: than the Add and LayerNormalization it replaces (BERT 4 x 256, batch 4 x 128 tokens: 10.5
+#: -> 8.5 ms per region call without it). The RMSNorm form is fused by onnxscript
+#: (``host.prepare``), whose SkipSimplifiedLayerNormalization this does not touch.
+DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
+
+#: onnxruntime's optimization level for a region opened from its lowered model. ``ALL`` adds
+#: the layout passes (convolutions in the blocked NCHWc layout of this CPU's vector width):
+#: a transformers ResNet region at batch 2 x 128 x 128 ran in 1.94 instead of 2.48 ms. The
+#: model it writes is specific to this CPU, which is why the plan cache keys host entries by
+#: ``cache.host_cpu_fingerprint``; a package keeps the unoptimized model and optimizes at load.
+OPT_LEVEL = "ORT_ENABLE_ALL"
+
+
+def ort_log_level() -> int:
+    """onnxruntime's session log level: ``FXPASS_ORT_LOG_LEVEL`` (0 verbose, 1 info, 2 warning,
+    3 error, 4 fatal), default 3: a clean compile prints nothing; set 2 to see the graph
+    optimizer's notes."""
+    import os
+
+    raw = os.environ.get("FXPASS_ORT_LOG_LEVEL", "3")
+    if raw.strip() not in {"0", "1", "2", "3", "4"}:
+        raise ValueError(f"FXPASS_ORT_LOG_LEVEL={raw!r}: use 0 (verbose) to 4 (fatal); the "
+                         "default, 3, shows errors only")
+    return int(raw)
+
+
+class OrtExecutor:
+    kind = "onnxruntime"
+
+    def __init__(
+        self,
+        model: bytes | str,
+        input_names: list[str],
+        threads: int | None = None,
+        optimized_path: str | None = None,
+        preoptimized: bool = False,
+        shared: dict[str, torch.Tensor] | None = None,
+        prepack: bool = True,
+        optimized_weights: str | None = None,
+        arena: bool = True,
+        initializers: dict[str, torch.Tensor] | None = None,
+    ):
+        """``shared``: weights that are graph inputs of ``model`` (``host.prepare.shared_weights``)
+        and the tensors that hold them, fed on every run as numpy views: onnxruntime reads
+        them in place, and this executor keeps them alive. ``prepack=False`` stops
+        onnxruntime from keeping a repacked copy of every GEMM weight. ``arena=False``: no
+        memory arena (a first tier, ``TieredExecutor``, holds no buffers between runs).
+
+        ``initializers``: initializers of ``model`` (declared with their dtype and shape,
+        their data in a file onnxruntime never reads for them) taken from these tensors'
+        memory instead (``add_initializer``), which this executor keeps alive. Onnxruntime
+        prepacks from them, so a prepacked session holds its packed copy and nothing else:
+        read from the file, each weight's pages sat beside its packed copy while it was
+        packed (Qwen3 4 x 1024, 128 tokens: compile peak 1.32x -> 1.13x the weights,
+        ``benchmarks.probes.compile_memory``).
+
+        ``optimized_weights``: with ``optimized_path``, the file name (beside it) that takes the
+        optimized model's weights as external data, prepacked GEMM weights included. A later
+        process then loads the optimized model without repacking anything, mapping its weights
+        from that file. (Only for models whose saved prepacked weights load,
+        ``host.prepare.saves_prepacked``; the others are cached unoptimized,
+        ``host.build.compile_ort``.)"""
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        # errors still raise; warnings are the graph optimizer's notes on initializers it
+        # folded away ("Removing initializer ..."), four per Qwen3 region, on every compile
+        so.log_severity_level = ort_log_level()
+        if threads:
+            so.intra_op_num_threads = threads
+        if STOP_SPINNING:
+            so.add_session_config_entry("session.force_spinning_stop", "1")
+        self.shared = dict(shared or {})
+        self._static = {name: _feed(t, ort) for name, t in self.shared.items()}  # views
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        self._initializers = []  # (tensor, OrtValue over it): alive as long as the session
+        for name, t in (initializers or {}).items():
+            value = ort.OrtValue.ortvalue_from_numpy(t.numpy())
+            so.add_initializer(name, value)
+            self._initializers.append((t, value))
+        if not arena:  # a short-lived first tier: free its buffers after each run
+            so.enable_cpu_mem_arena = False
+        if preoptimized:  # already optimized offline (cached): skip the optimizer
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        else:
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVEL)
+            if optimized_path:
+                so.optimized_model_filepath = optimized_path
+            if optimized_path and optimized_weights:
+                for k, v in (
+                    ("session.optimized_model_external_initializers_file_name", optimized_weights),
+                    ("session.optimized_model_external_initializers_min_size_in_bytes", "4096"),
+                    ("session.save_external_prepacked_constant_initializers", "1"),
+                ):
+                    so.add_session_config_entry(k, v)
+        self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"],
+                                            disabled_optimizers=DISABLED_OPTIMIZERS)
+        # onnxruntime's Python session keeps the model bytes (weights included) for its whole
+        # life, only to rebuild itself on a provider fallback (its own TODO); with the CPU
+        # provider alone that never happens. Dropping them saves a copy of the weights.
+        self.session._model_bytes = None
+        self.input_names = input_names
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
+        if self._static:
+            feeds.update(self._static)
+        outs = self.session.run(self.output_names, feeds)
+        return tuple(_tensor(o) for o in outs)
+
+
+class TieredExecutor:
+    """A region's host executor in two tiers: a session that opens in milliseconds runs the
+    first calls while the faster one is built on a background thread, then that one runs.
+
+    Why: onnxruntime prepacks every GEMM weight when a session opens (a copy in its kernels' layout;
+    0.3 s for the 283 MB of a Qwen3 4 x 1024 prefill region, warm or cold), and the prepacked GEMMs
+    are what make a region with more than one row fast (1.78x at 8 rows, 1.41x at 32, 1.10x at 128:
+    ``python -m benchmarks.probes.tiering``). A session that reads the weights in place
+    (``host.prepare.shared_weights``, prepacking off) opens at once and gives the same answers, so
+    the caller waits for neither the prepacking nor the cache write; the first calls run a little
+    slower, then the prepacked session takes over (JIT-style tiering).
+
+    The build starts when the first call has returned (that call gets the cores, and its
+    buffers are freed before the prepacking allocates; the compile's peak is the untiered
+    path's, 1.13x the weights at 128 tokens, ``benchmarks.probes.compile_memory --untiered``),
+    on one shared worker thread (one build at a time: a 2-core host also
+    runs the model), which the interpreter joins at exit, so a short-lived process still
+    stores its cache entry. If the build fails, the first tier keeps running (same results,
+    slower) and a ``RuntimeWarning`` says why."""
+
+    kind = "onnxruntime"
+
+    def __init__(self, first: Any, build: Callable[[], Any], name: str = "region"):
+        self._ex = first
+        self.name = name
+        self._lock = threading.Lock()
+        self._build: Callable[[], Any] | None = build
+        self._future: Future | None = None
+
+    @property
+    def current(self) -> Any:
+        """The executor that runs the next call (the second tier once it is built)."""
+        if self._future is not None and self._future.done():
+            self._swap()
+        return self._ex
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.current(*tensors)
+        if self._build is not None:
+            self.start()
+        return out
+
+    def start(self) -> None:
+        """Queue the second tier's build (done by the first call; idempotent)."""
+        with self._lock:
+            build, self._build = self._build, None
+            if build is not None:
+                self._future = _tier_pool().submit(_trimmed, build)
+
+    def wait(self) -> Any:
+        """Build the second tier now if not yet queued, block until it is built (or failed),
+        and return the executor in use."""
+        self.start()
+        f = self._future
+        if f is not None:
+            f.exception()  # waits; the outcome is taken (and warned about) by _swap
+            self._swap()
+        return self._ex
+
+    def _swap(self) -> None:
+        with self._lock:
+            f, self._future = self._future, None
+        if f is None:
+            return
+        try:
+            ex = f.result()
+        except Exception as e:  # noqa: BLE001 - the first tier still gives the right answer
+            msg = (f"fxpass_bpu region {self.name} keeps its in-place-weights session (slower "
+                   f"above one row): building the prepacked one failed: {type(e).__name__}: {e}")
+            try:
+                warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            except Exception:  # noqa: BLE001 - warnings as errors must not fail a good call
+                logging.getLogger("fxpass").warning(msg)
+            return
+        if ex is not None:
+            self._ex = ex
+
+
+def _trimmed(build: Callable[[], Any]) -> Any:
+    """``build()`` after handing the heap's free memory back to the OS. Why: the build runs on
+    another thread, so glibc gives its allocations another malloc arena, and what the first
+    call freed in the caller's arena would stay resident beside them (scratch runs of
+    ``benchmarks.probes.compile_memory --tokens 128``: peak 1.35x -> 1.32x the weights in fp32,
+    3.14x -> 2.76x in bf16)."""
+    _malloc_trim()
+    return build()
+
+
+_TIER_POOL: ThreadPoolExecutor | None = None
+
+
+_TIER_LOCK = threading.Lock()
+
+
+def _tier_pool() -> ThreadPoolExecutor:
+    global _TIER_POOL
+    with _TIER_LOCK:
+        if _TIER_POOL is None:
+            _TIER_POOL = ThreadPoolExecutor(1, thread_name_prefix="fxpass-tier")
+        return _TIER_POOL
+
+
+def settle() -> None:
+    """Wait until every second-tier session queued so far is built (and its cache entry
+    written). Benchmarks call it before timing steady state; nothing else needs to."""
+    with _TIER_LOCK:
+        pool = _TIER_POOL
+    if pool is not None:
+        pool.submit(lambda: None).result()  # one worker: runs after everything queued
+
+
+def _feed(t: torch.Tensor, ort: Any) -> Any:
+    """A weight fed in place: a numpy view, or for BF16 (no numpy dtype) an OrtValue over the
+    tensor's own memory (its bits as int16, typed BFLOAT16; onnxruntime copies nothing)."""
+    if t.dtype == torch.bfloat16:
+        import onnx
+
+        if not t.is_contiguous():  # an OrtValue reads the pointer as row-major
+            raise ValueError("a BF16 weight fed in place must be contiguous")
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            t.view(torch.int16).numpy(), onnx.TensorProto.BFLOAT16)
+    return t.numpy()

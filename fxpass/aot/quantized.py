@@ -1,0 +1,125 @@
+"""Quantized and board regions, ahead of time: ``export(..., calibration=batches)``.
+
+Why here and not at load: calibration needs the model's real activations at each region's
+boundary, and a package must load with nothing left to compile. So ``export`` compiles each
+quantizing region as the JIT path does (its float model on the host until calibrated),
+runs the exported program itself over the calibration data with recording on, then
+calibrates, quantizes and compiles every region (strictly: a region that fails to quantize
+fails the export, never a package that silently runs float). The package then holds each
+region's quantized artifact: the QDQ model for the host executor, or the board's ``.hbm``
+(compiled by hbdk4, which a workstation has; the board runtime it does not need).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fxpass.aot.runtime import ExportError
+from fxpass.jit.options import Options
+
+
+def quantizes(opts: Options) -> bool:
+    """Whether ``opts`` quantize regions (``quantize``, or the board, which always does)."""
+    from fxpass.backends.bpu.compile import resolve_executor
+
+    return opts.quantize is not None or resolve_executor(opts.executor) == "hbdnn"
+
+
+def check_calibration(opts: Options, calibration: Any, what: str) -> list[Any] | None:
+    """The calibration data as a list, or a clear error when it is missing or not needed."""
+    if not quantizes(opts):
+        if calibration is not None:
+            raise ExportError(
+                f"{what}: calibration data was given but nothing is quantized; pass "
+                "options={'quantize': 'w8a16'} (or executor='hbdnn' for the board), or drop "
+                "calibration=")
+        return None
+    batches = list(calibration) if calibration is not None else []
+    if not batches:
+        raise ExportError(
+            f"{what}: quantized regions (option 'quantize', or executor='hbdnn', which always "
+            "quantizes) need calibration data at export time, as a package loads with nothing "
+            "left to compile: pass calibration=[...] (a few representative inputs)")
+    return batches
+
+
+def calibrate(lowered: Sequence[Any], run: Callable[[Any], Any], batches: list[Any],
+              say: Callable[[str], None]) -> list[Any]:
+    """Run ``run(batch)`` for each batch with recording on, then quantize every region of
+    ``lowered`` (``aot.export.Lowered``); every quantizing region must have seen data."""
+    from fxpass.backends.onnx.calibration import finish, recording
+
+    waiting = [r for low in lowered for r in low.regions if r.quantizing is not None]
+    if not waiting:
+        return []
+    say(f"calibrating {len(waiting)} region(s) on {len(batches)} input(s)")
+    with recording() as session, torch.no_grad():
+        for b in batches:
+            run(b)
+    unseen = [r.name for r in waiting if r.quantizing not in session.samples]
+    if unseen:
+        raise ExportError(
+            f"regions {unseen} saw none of the calibration data; give inputs that reach "
+            "them (for bucketed encoders: inputs of every bucket's size)")
+    return finish(session, strict=True)
+
+
+class _Held:
+    """An exported program as ``aot.runner.Runner`` calls a loaded one, over shared state."""
+
+    def __init__(self, low: Any, state: dict[str, torch.Tensor]):
+        self._low = low
+        self._run = low.runner()
+        self._prefix = (*low.weights.values(), *[state[k] for k in low.state])
+        self.spec = {"cpu_threads": low.cpu_threads}
+
+    def step(self, *inputs: Any) -> tuple[Any, ...]:
+        return tuple(self._run(*self._prefix, *inputs))
+
+    def bind(self, state: dict[str, torch.Tensor]) -> Callable[..., tuple[Any, ...]]:
+        """``step`` over ``state`` (``package.LoadedProgram.bind``)."""
+        run, low = self._run, self._low
+        prefix = (*low.weights.values(), *[state[k] for k in low.state])
+        return lambda *inputs: tuple(run(*prefix, *inputs))
+
+
+class HeldPackage:
+    """Exported (not yet saved) programs in the shape a loaded ``package.Package`` has, so the
+    loaded package's runners (``Runner``, ``EncoderRunner``) drive the calibration runs."""
+
+    def __init__(self, what: str, manifest: dict[str, Any], programs: dict[str, Any],
+                 state: dict[str, torch.Tensor] | None = None):
+        self.path, self.manifest, self.programs = f"<{what}>", manifest, programs
+        self.state = state or {}
+
+
+def generate_runner(prefill: Any, decode: Any, meta: dict[str, Any]) -> Any:
+    """A ``Runner`` over the exported (not yet saved) prefill and decode programs."""
+    from fxpass.aot.runner import Runner
+
+    state = {k: torch.zeros_like(t) for k, t in prefill.state.items()}
+    programs = {"prefill": _Held(prefill, state), "decode": _Held(decode, state)}
+    return Runner(HeldPackage("export_for_generate", {"generate": meta}, programs, state))
+
+
+def region_entry(r: Any) -> tuple[str, bytes, dict[str, Any]]:
+    """A calibrated region's package file: (file name, bytes, manifest fields)."""
+    from fxpass.aot.package import PackageError
+    from fxpass.backends.bpu.board import BoardArtifact
+
+    q = r.quantizing
+    if q.active is q.float:
+        raise PackageError(
+            f"region {r.name} is not calibrated, and a package holds no float stand-in for a "
+            "quantized region: export with calibration=[...] (export() does this itself)")
+    info = q.info
+    fields = {"quantize": {
+        "config": info.config, "march": info.march, "batches": info.batches,
+        "cosine": info.cosine, "max_abs_error": info.max_abs_error,
+        "ranges_digest": info.ranges_digest}}
+    if isinstance(q.active, BoardArtifact):
+        return f"region_{r.name}.hbm", q.active.hbm, {"executor": "hbdnn", **fields}
+    return f"region_{r.name}.onnx", q.active.source, {"executor": "onnxruntime", **fields}

@@ -1,0 +1,185 @@
+"""Executors for one compiled region, and the module spliced into the graph to call it.
+
+``OrtExecutor`` runs the region's ONNX model in onnxruntime on the host (zero-copy in: torch
+CPU tensors are handed over as numpy views; zero-copy out: numpy results become tensors
+without a copy). ``HbmExecutor`` runs a ``.hbm`` through the board runtime (``hbm_runtime``),
+binding inputs by name as it requires. ``RegionCall`` checks what it is given, and falls back
+to the region's own eager graph with a warning if the executor fails (or raises if strict).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.fx import GraphModule
+
+if TYPE_CHECKING:
+    import onnx
+
+    from fxpass.backends.onnx.lowering.driver import Weights
+
+
+class RegionFallbackWarning(UserWarning):
+    """A region could not run on its executor and ran eagerly instead (results stay correct)."""
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view when the tensor is contiguous (a cache buffer, say).
+
+    Not ``np.ascontiguousarray`` unconditionally: it turns a 0-dim array into shape ``(1,)``.
+    """
+    a = (t.detach() if t.requires_grad else t).numpy()
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A zero-copy tensor of an executor's output, keeping its exact shape (0-dim stays 0-dim)."""
+    return torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+
+@dataclass
+class Compiled:
+    executor: Any
+    key: str
+    cached: bool
+    onnx_bytes: int
+    fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
+    #: with ``keep=True`` (``export``): the weightless model the executor runs and its
+    #: weights, which a package writes to disk as ONNX plus external data
+    artifact: tuple[onnx.ModelProto, Weights] | None = None
+
+
+class TorchThreads:
+    """Runs a spliced graph with torch's own CPU ops on ``n`` threads, then restores the
+    caller's count.
+
+    Why: after every parallel torch op, torch's OpenMP workers keep spinning for milliseconds
+    (libgomp's default wait policy), and onnxruntime's workers run on the same cores, so a
+    host region started right after one ran a core short. Qwen3 4 x 1024, 128 tokens
+    (``benchmarks.probes.forward_split``, 2026-12-03): 69.5 ms per call against 79.0 with the
+    embedding in front of the region on torch's 2 threads. The backend uses
+    this only for graphs whose torch ops are light (an embedding, index arithmetic), which lose
+    nothing on one thread. ``torch.set_num_threads`` is a few hundred ns each way."""
+
+    def __init__(self, graph: Callable[..., Any], n: int):
+        self.graph = graph
+        self.n = n
+        #: a region that failed runs its eager graph, the heavy work, from then on: on the
+        #: caller's threads (found in review: it stayed pinned to one)
+        self.regions = [m for m in graph.modules() if isinstance(m, RegionCall)] if (
+            isinstance(graph, GraphModule)) else []
+
+    def __call__(self, *args: Any) -> Any:
+        prev = torch.get_num_threads()
+        if prev == self.n or any(r.failed is not None for r in self.regions):
+            return self.graph(*args)
+        torch.set_num_threads(self.n)
+        try:
+            return self.graph(*args)
+        finally:
+            torch.set_num_threads(prev)
+
+
+class RegionCall(torch.nn.Module):
+    """One spliced region: runs the executor; on failure, the region's eager graph."""
+
+    def __init__(
+        self,
+        name: str,
+        executor: Any,
+        eager: GraphModule | Callable[[], GraphModule],
+        expected: list[Any],
+        strict: bool = False,
+        out_shapes: list[torch.Size | None] | None = None,
+    ):
+        """``eager`` is the region's own graph, or (on a cached plan, where the rules did not
+        run) a function that rebuilds it; it is only needed if the executor fails."""
+        super().__init__()
+        self.name = name
+        self.executor = executor
+        self._eager_factory = None if isinstance(eager, GraphModule) else eager
+        if isinstance(eager, GraphModule):
+            self.eager = eager
+        # torch.Size compares with a tensor's .shape without building tuples (per-call path)
+        self.expected = [(torch.Size(v.shape), v.dtype) for v in expected]
+        if out_shapes is None:
+            (out,) = eager.graph.find_nodes(op="output")
+            vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in out.args[0]]
+            out_shapes = [
+                torch.Size(v.shape) if isinstance(v, torch.Tensor) else None for v in vals
+            ]
+        self.out_shapes = out_shapes
+        #: (output, its compiled shape, that shape's element count): the per-call checks
+        #: read these instead of recomputing them
+        self._outs = [(i, s, math.prod(s)) for i, s in enumerate(out_shapes) if s is not None]
+        self.strict = strict
+        self.failed: str | None = None if executor is not None else "not compiled"
+
+    def _eager(self) -> GraphModule:
+        if self._eager_factory is not None:
+            self.eager = self._eager_factory()
+            self._eager_factory = None
+        return self.eager
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.failed is None:
+            for t, (shape, dtype) in zip(tensors, self.expected, strict=True):
+                if t.dtype != dtype or t.shape != shape:
+                    return self._fallback(
+                        f"input {tuple(t.shape)} {t.dtype} differs from the compiled "
+                        f"{tuple(shape)} {dtype}",
+                        tensors,
+                    )
+            try:
+                outs = self.executor(*tensors)
+            except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
+                return self._fallback(f"{type(e).__name__}: {e}", tensors)
+            if len(outs) != len(self.out_shapes):
+                return self._fallback(f"{len(outs)} outputs, compiled for "
+                                      f"{len(self.out_shapes)}", tensors)
+            views = None  # an output left unreshaped (host.output_views): viewed back here
+            for i, shape, numel in self._outs:
+                o = outs[i]
+                if o.shape != shape:
+                    if o.numel() != numel:
+                        return self._fallback(
+                            f"output shape {tuple(o.shape)} is not the compiled {tuple(shape)}",
+                            tensors,
+                        )
+                    if views is None:
+                        views = list(outs)
+                    views[i] = o.reshape(shape)
+            return outs if views is None else tuple(views)
+        return tuple(self._eager()(*tensors))
+
+    def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
+        if self.strict:
+            raise RuntimeError(f"fxpass_bpu region {self.name} cannot run: {why} (strict=True)")
+        self.failed = why
+        warnings.warn(
+            f"fxpass_bpu region {self.name} runs eagerly from now on: {why}",
+            RegionFallbackWarning,
+            stacklevel=2,
+        )
+        return tuple(self._eager()(*tensors))

@@ -1,0 +1,233 @@
+"""Symbolic graphs: one Dynamo trace, a bounded set of static variants, no recompile cliff.
+
+Why: after a second input shape Dynamo hands the backend a graph with symbolic sizes (the
+default ``dynamic=None``), and a static-shape device cannot take one. Asking the user for
+``dynamic=False`` only moves the cliff: every new length is another Dynamo graph until
+Dynamo's recompile limit, then eager. Instead the backend keeps the symbolic graph and
+specializes it itself, per concrete input signature at call time: the symbolic aten graph
+re-traced with the call's shapes (``make_fx`` over fake tensors: every size a constant),
+then the usual rules, partition, regions and weight guard (``guarded.GuardedGraph``). Dynamo
+compiles once.
+
+Variants live in a bounded cache (option ``max_shape_variants``, default 8): the least
+recently used is evicted with its sessions and memory, and a shape past the bound still gets
+a compiled variant (evicting one), never a silent eager fallback. Each variant's report says
+which shapes it is for, its compile time and the evictions so far.
+
+Only graphs whose symbolic ints are all sizes of their tensor inputs are specialized. A
+symbolic int that is no tensor's size (a KV-cache counter that ``compile_for_generate`` makes
+symbolic on purpose) is host-side index arithmetic: specializing on it would compile a
+variant per token, so such graphs keep the static path. So do graphs that grow their state by
+concatenation (HF's dynamic cache): a variant per token; the backend warns with the
+static-cache fix (``generation.warn_if_growing``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from fxpass._capture import SOURCE
+from fxpass.graph import FROZEN, FROZEN_BUFFER
+from fxpass.jit.options import Options
+
+#: every live ShapeVariants in this process (for tests and tools; held weakly)
+INSTANCES: weakref.WeakSet = weakref.WeakSet()
+_BUILDING = threading.RLock()
+
+
+def _symbols(v: Any) -> set[Any]:
+    if isinstance(v, torch.SymInt):
+        return set(v.node.expr.free_symbols)
+    if isinstance(v, torch.Tensor):
+        out: set[Any] = set()
+        for s in (*v.shape, *v.stride()):
+            if isinstance(s, torch.SymInt):
+                out |= set(s.node.expr.free_symbols)
+        return out
+    return set()
+
+
+def specializable(gm: GraphModule) -> list[int] | None:
+    """The placeholder indices that key a variant, or None when ``gm`` is not a symbolic
+    graph this module specializes: static, with a symbolic int that is no tensor's size, or
+    one that returns state grown by concatenation (a dynamic KV cache: every token a new
+    shape, so a variant per token; the backend warns with the static-cache fix instead)."""
+    from fxpass.hf.generation import growing_state
+
+    if growing_state(gm):
+        return None
+    phs = gm.graph.find_nodes(op="placeholder")
+    vals = [p.meta.get("val") for p in phs]
+    tensor_syms: set[Any] = set()
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            tensor_syms |= _symbols(v)
+    if not tensor_syms:
+        return None
+    for v in vals:
+        if isinstance(v, torch.SymInt) and not _symbols(v) <= tensor_syms:
+            return None
+    return [i for i, v in enumerate(vals)
+            if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and _symbols(v))]
+
+
+def signature(args: tuple, keyed: list[int]) -> tuple:
+    """What a call's variant is keyed by: the symbolic inputs' shapes and dtypes (ints as is)."""
+    out = []
+    for i in keyed:
+        a = args[i]
+        out.append((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a)
+    return tuple(out)
+
+
+def specialize(gm: GraphModule, args: tuple) -> GraphModule:
+    """``gm`` re-traced with the concrete shapes of ``args``: a static aten graph whose
+    placeholders carry the symbolic graph's weight marks (frozen tensors, their sources)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with unset_fake_temporarily(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+                 for a in args]
+        static = make_fx(gm, pre_dispatch=False)(*fakes)
+    for old, new, a in zip(gm.graph.find_nodes(op="placeholder"),
+                           static.graph.find_nodes(op="placeholder"), args, strict=True):
+        if not isinstance(a, torch.Tensor):
+            new.meta["val"] = a  # a size, now a constant of the graph
+        for key in (FROZEN, FROZEN_BUFFER, SOURCE):
+            if key in old.meta:
+                new.meta[key] = old.meta[key]
+    return static
+
+
+def _torch_caches() -> tuple[dict, dict]:
+    """torch's two process-wide, never-bounded caches that grow with every static graph this
+    module traces: FakeTensor's dispatch cache (keyed by concrete sizes: ~120 entries, 170 KB
+    per BERT 4 x 256 signature) and torch.fx's generated-source cache (every
+    ``GraphModule.recompile()``: 7 sources, 70 KB per signature). An empty dict when this torch
+    has neither (private names)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake = FakeTensorMode.cache
+    except (ImportError, AttributeError):
+        fake = {}
+    try:
+        from torch.fx.graph_module import _loader
+
+        sources = _loader.eval_cache
+    except (ImportError, AttributeError):
+        sources = {}
+    return fake, sources
+
+
+def _added(d: dict, before: int) -> list:
+    """The keys inserted into ``d`` (insertion-ordered) since it held ``before`` entries."""
+    return list(itertools.islice(reversed(d), max(len(d) - before, 0)))
+
+
+def _reports(run: Any) -> list[Any]:
+    """The compile reports a variant holds (``GuardedGraph``: its report and those of its
+    weight variants), each once."""
+    out = [getattr(run, "report", None)]
+    out += [v[2] for v in getattr(run, "variants", {}).values()]  # (guard, compiled, report, _)
+    return list({id(r): r for r in out if r is not None}.values())
+
+
+def _describe(sig: tuple) -> str:
+    return ", ".join(f"{list(s[0])}" if isinstance(s, tuple) else str(s) for s in sig)
+
+
+class ShapeVariants:
+    """A symbolic graph compiled per concrete input signature, least recently used evicted."""
+
+    def __init__(self, gm: GraphModule, keyed: list[int], opts: Options,
+                 build: Callable[[GraphModule], Any]):
+        self.symbolic, self.keyed, self.opts, self._build = gm, keyed, opts, build
+        self.variants: OrderedDict[tuple, Any] = OrderedDict()
+        self.compiled: list[tuple[str, float]] = []  # (shapes, seconds) per compile, in order
+        self.evictions = 0
+        self._sources: dict[tuple, list[str]] = {}  # per variant: the fx sources it made
+        INSTANCES.add(self)
+
+    def __call__(self, *args: Any) -> Any:
+        sig = signature(args, self.keyed)
+        run = self.variants.get(sig)
+        if run is None:
+            run = self._compile(sig, args)
+        else:
+            self.variants.move_to_end(sig)
+        return run(*args)
+
+    def _compile(self, sig: tuple, args: tuple) -> Any:
+        from fxpass.jit.backend import STATS
+
+        fake, sources = _torch_caches()
+        # one variant build at a time: what the caches gained meanwhile is this build's (a
+        # compile on another thread outside variant builds can still add to them; it loses
+        # at most a cache entry, or the source lines of its tracebacks)
+        with _BUILDING:
+            n_fake, n_sources = len(fake), len(sources)
+            t0 = time.perf_counter()
+            try:
+                run = self._build(specialize(self.symbolic, args))
+            finally:
+                # FakeTensor's dispatch cache is keyed by this signature's concrete sizes:
+                # only this same signature ever hits its entries again, and the cache is
+                # process-wide and unbounded (~0.17 MB per distinct length, kept after the
+                # eviction)
+                for k in _added(fake, n_fake):
+                    fake.pop(k, None)
+            seconds = time.perf_counter() - t0
+            self._sources[sig] = _added(sources, n_sources)  # released with the variant
+        STATS["shape_variants"] += 1
+        cap = self.opts.max_shape_variants
+        evicted = False
+        while len(self.variants) >= cap:
+            self._release(*self.variants.popitem(last=False))  # its sessions go with it
+            self.evictions += 1
+            STATS["shape_evictions"] += 1
+            evicted = True
+        if evicted:  # hand the evicted sessions' memory back to the OS, not to malloc's pool
+            import gc
+
+            from fxpass.jit.runtime import _malloc_trim
+
+            gc.collect()
+            _malloc_trim()
+        self.variants[sig] = run
+        self.compiled.append((_describe(sig), seconds))
+        report = getattr(run, "report", None)
+        if report is not None:
+            report.notes.append(
+                f"shape variant {len(self.compiled)} of a symbolic graph, for input shapes "
+                f"{_describe(sig)}: specialized and compiled in {seconds:.2f}s; "
+                f"{len(self.variants)} variant(s) kept (max_shape_variants={cap}), "
+                f"{self.evictions} evicted so far")
+        return run
+
+    def _release(self, sig: tuple, run: Any) -> None:
+        """What an evicted variant left outside itself: torch.fx's generated source of the graph
+        modules its compile made (and their linecache entries), and the rewrite ledgers of its
+        compile reports (``fxpass.compile_reports()`` keeps the last 256 reports, more than
+        the distinct lengths of a whole benchmark; a ledger is ~30 KB of a report's ~33). The
+        reports stay, with their summaries and a note. Without this each distinct shape kept
+        ~0.27 MB after its eviction."""
+        _, sources = _torch_caches()
+        for k in self._sources.pop(sig, ()):
+            sources.pop(k, None)
+            linecache.cache.pop(k, None)
+        for report in _reports(run):
+            if report.rules is not None:
+                report.rules = None
+                report.notes.append("shape variant evicted: its rewrite ledger was released")
