@@ -43,6 +43,7 @@ from typing import Any
 import pluggy
 
 from . import env
+from .device import Device, DeviceError, check_device
 from .rule import Rule
 from .tracing import clean_mode
 
@@ -65,6 +66,10 @@ class Hooks:
     @hookspec
     def fxpass_targets(self) -> Sequence[Target]:
         """Return the backend targets this plugin provides."""
+
+    @hookspec
+    def fxpass_devices(self) -> Sequence[Any]:
+        """Return the devices (:class:`fxpass.device.Device` instances) this plugin provides."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class Registry:
     rules: dict[str, Rule] = field(default_factory=dict)
     targets: dict[str, Target] = field(default_factory=dict)
     commands: dict[str, Command] = field(default_factory=dict)
+    devices: dict[str, Any] = field(default_factory=dict)  # name -> fxpass.device.Device
     failures: list[tuple[str, str]] = field(default_factory=list)  # (entry point, error)
 
     def add_rules(self, rules: Iterable[Rule], source: str) -> None:
@@ -157,6 +163,14 @@ class Registry:
     def add_commands(self, commands: Iterable[Command], source: str) -> None:
         _add(self.commands, "fxpass command", commands, source)
 
+    def add_devices(self, devices: Iterable[Any], source: str) -> None:
+        for d in devices:
+            if d.name in self.devices:
+                raise ValueError(f"device {d.name!r} is registered twice: by "
+                                 f"{self.devices[d.name].plugin!r} and by {source!r}")
+            d.plugin = source
+            self.devices[d.name] = d
+
 
 def _add(table: dict[str, Any], what: str, items: Iterable[Any], source: str) -> None:
     """Register named items from ``source``; a name taken by another plugin is an error."""
@@ -173,7 +187,8 @@ _cache: dict[tuple[bool, frozenset[str]], Registry] = {}  # per (autoload off, b
 #: per thread: how many load() calls are running (more than one: a plugin loading the registry
 #: while it is imported, whose registry lacks that plugin and must not be cached)
 _loading = threading.local()
-_HOOKS = (("fxpass_rules", Rule), ("fxpass_targets", Target), ("fxpass_commands", Command))
+_HOOKS = (("fxpass_rules", Rule), ("fxpass_targets", Target), ("fxpass_commands", Command),
+          ("fxpass_devices", object))
 
 
 def _is_own(dist: str) -> bool:
@@ -209,7 +224,7 @@ def _call_hook(pm: pluggy.PluginManager, plugin: Any, hook: str, kind: type) -> 
     return items
 
 
-def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, list, list]:
+def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, ...]:
     """Register ``plugin`` and call its hooks; on any failure it is unregistered again, so a
     plugin contributes everything or nothing."""
     try:
@@ -222,11 +237,12 @@ def _collect(pm: pluggy.PluginManager, plugin: Any, source: str) -> tuple[list, 
         rules = _call_hook(pm, plugin, "fxpass_rules", Rule)
         targets = _call_hook(pm, plugin, "fxpass_targets", Target)
         commands = _call_hook(pm, plugin, "fxpass_commands", Command)
+        devices = [check_device(d) for d in _call_hook(pm, plugin, "fxpass_devices", Device)]
     except BaseException:
         if pm.is_registered(plugin):  # also when register() failed half-way through its hooks
             pm.unregister(plugin)
         raise
-    return rules, targets, commands
+    return rules, targets, commands, devices
 
 
 def _fail(reg: Registry, source: str, where: str, what: str, e: BaseException) -> None:
@@ -311,13 +327,14 @@ def _load(
         if pm.is_registered(mod):
             continue
         try:
-            rules, targets, commands = _collect(pm, mod, source)
+            rules, targets, commands, devices = _collect(pm, mod, source)
         except (Exception, SystemExit) as e:
             _fail(reg, source, where, "broke the hook contract", e)
             continue
         reg.add_rules(rules, source)  # duplicate names across plugins: a ValueError, as before
         reg.add_targets(targets, source)
         reg.add_commands(commands, source)
+        reg.add_devices(devices, source)
     return reg
 
 
@@ -395,3 +412,16 @@ def select_rules(
         on |= set(known(en, en_from))
         on -= set(known(dis, dis_from))
     return [r for n, r in reg.rules.items() if n in on]
+
+
+def get_device(name: str | Device) -> Device:
+    """The installed device called ``name``; an error names the plugin to install."""
+    if isinstance(name, Device):
+        return name
+    reg = load()
+    if name not in reg.devices:
+        failed = "".join(f"; plugin {s} failed to load: {e}" for s, e in reg.failures)
+        raise DeviceError(f"fxpass device {name!r} is not installed (installed: "
+                          f"{sorted(reg.devices)}); install the plugin that provides it"
+                          f"{failed}")
+    return reg.devices[name]

@@ -1,20 +1,18 @@
-"""``torch.compile(model, backend="fxpass_bpu")``: the whole BPU pipeline behind one function.
+"""``torch.compile(model, backend="fxpass_<device>")``: the whole pipeline behind one function.
 
-Dynamo -> AOTAutograd (inference) -> the target's rules to fixpoint -> convex partition ->
-per region: extract, lower to ONNX, compile (hbdk4 or onnxruntime), splice back as one call ->
-a guarded callable. Registered in the ``torch_dynamo_backends`` entry point group, so no import
-is needed. Options arrive as ``torch.compile(..., options={...})``.
+Dynamo -> AOTAutograd (inference) -> the device target's rules to fixpoint -> convex partition
+by the device's capability -> per region: extract, the device's compile, splice back as one
+call -> a guarded callable. A device plugin registers ``backend_for(name)`` in the
+``torch_dynamo_backends`` entry point group, so no import is needed. Options arrive as
+``torch.compile(..., options={...})``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import os
-import sys
-import threading
 import time
 import warnings
 from collections import Counter
@@ -26,9 +24,8 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule
 
+from fxpass import device as devices
 from fxpass._capture import aot_backend
-from fxpass.backends.bpu.capability import Capability, march
-from fxpass.backends.bpu.compile import compile_region, resolve_executor
 from fxpass.graph import is_static
 from fxpass.hf.generation import warn_if_growing, warn_if_recompiling
 from fxpass.jit import plan
@@ -43,12 +40,8 @@ from fxpass.passmanager import PassManager
 from fxpass.plugins import load as load_plugins
 from fxpass.plugins import select_rules
 
-log = logging.getLogger("fxpass.bpu")
+log = logging.getLogger("fxpass.jit")
 
-#: Board: the original pull request measured ~0.8 ms per BPU submission; 100M MACs keeps a
-#: region well above that. Host: ``python -m benchmarks.probes.ort_overhead`` measured 4.4 us per
-#: onnxruntime call and 113 GMAC/s on this 2-core machine: break-even ~0.5M MACs.
-DEFAULT_MIN_MACS = {"hbdnn": 100_000_000, "onnxruntime": 500_000}
 #: fxpass.compile_reports() keeps the most recent reports only (each holds a rewrite ledger).
 MAX_REPORTS = 256
 #: graph numbers in reports and region names (g3_r0): one per compile in this process, never
@@ -65,64 +58,56 @@ STATS: Counter[str] = Counter()
 def _warn_once(key: str, msg: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"fxpass_bpu: {msg}", stacklevel=3)
+        warnings.warn(msg, stacklevel=3)
 
 
 MODES = {
     None: "",
     "default": "",
-    "reduce-overhead": "fxpass_bpu has no CUDA graphs; regions already run as single calls",
-    "max-autotune": "fxpass_bpu does not autotune; onnxruntime/hbdk4 choose kernels themselves",
-    "max-autotune-no-cudagraphs": "fxpass_bpu does not autotune",
+    "reduce-overhead": "no CUDA graphs; regions already run as single calls",
+    "max-autotune": "no autotuning; the device's compiler chooses its kernels itself",
+    "max-autotune-no-cudagraphs": "no autotuning",
 }
 
 
-_PRELOAD: list[threading.Thread] = []
+def backend_for(device: str) -> Callable:
+    """The Dynamo backend of device ``device`` (``backend=f"fxpass_{device}"``): what a device
+    plugin registers in the ``torch_dynamo_backends`` entry point group."""
+
+    def backend(gm: GraphModule, example_inputs: list, *, options: dict | None = None,
+                mode: str | None = None) -> Callable:
+        return compile_dynamo(gm, example_inputs, device, options=options, mode=mode)
+
+    backend.__name__ = backend.__qualname__ = f"fxpass_{device}"
+    backend.__doc__ = f"Dynamo backend entry point (``backend='fxpass_{device}'``)."
+    return backend
 
 
-def _preload_onnxruntime() -> None:
-    """Import onnxruntime on a background thread while AOTAutograd traces the graph.
-
-    Why: the host path needs it (the artifact keys name its version, the regions run in it),
-    and loading its native module took 0.03-0.3 s of the backend's own time in a fresh process
-    (0.3 s after a Qwen3 trace: ``python -m benchmarks.compile_time --profile``), most of a warm
-    plan hit. Loading it while the main thread traces uses the other core; the first import
-    in the main thread then waits for this one (Python's import lock) or finds it done. A
-    failure here is ignored: the real import raises it where it is needed."""
-    if _PRELOAD or "onnxruntime" in sys.modules:
-        return
-
-    def load() -> None:
-        with contextlib.suppress(Exception):
-            import onnxruntime  # noqa: F401
-
-    t = threading.Thread(target=load, name="fxpass-preload", daemon=True)
-    _PRELOAD.append(t)
-    t.start()
-
-
-def fxpass_bpu(
-    gm: GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None
+def compile_dynamo(
+    gm: GraphModule, example_inputs: list, device: str, *, options: dict | None = None,
+    mode: str | None = None,
 ) -> Callable:
-    """Dynamo backend entry point (``backend="fxpass_bpu"``)."""
-    opts = from_options(options)
+    """Compile Dynamo's graph ``gm`` for ``device``: options checked, AOTAutograd, then
+    :func:`compile_graph` per static signature (``shapes``) and set of weights (``guarded``)."""
+    opts = from_options(options, device)
+    dev = opts.get_device()
+    who = f"fxpass_{dev.name}"
     if mode not in MODES:
-        raise TypeError(f"fxpass_bpu: unknown mode {mode!r}; known: {[m for m in MODES if m]}")
+        raise TypeError(f"{who}: unknown mode {mode!r}; known: {[m for m in MODES if m]}")
     if MODES[mode]:
-        log.info("fxpass_bpu: mode=%r accepted; %s", mode, MODES[mode])
+        log.info("%s: mode=%r accepted; %s", who, mode, MODES[mode])
     if torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
     ):
         msg = (
-            "fxpass_bpu compiles inference graphs only; this graph needs gradients, so it "
+            f"{who} compiles inference graphs only; this graph needs gradients, so it "
             "runs eagerly (gradients stay correct). Wrap inference in torch.no_grad()."
         )
         if opts.strict:
             raise RuntimeError(msg + " (strict=True)")
         warnings.warn(msg, stacklevel=2)
         return gm.forward
-    if resolve_executor(opts.executor) == "onnxruntime":  # a missing hbdk4 raises here
-        _preload_onnxruntime()
+    dev.prepare(opts.dev)  # a missing compiler raises here; a host runtime preloads
 
     def fw(aot_gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
         from fxpass.jit.guarded import GuardedGraph
@@ -146,9 +131,11 @@ def _clone(gm: GraphModule) -> GraphModule:
 def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport]:
     """Rules -> partition -> compile regions -> splice. Returns the callable and its report."""
     t0 = time.perf_counter()
-    m = march(opts.march)
-    kind = resolve_executor(opts.executor)
-    report = GraphReport(graph=next(_GRAPH_IDS), march=m.name, executor=kind)
+    device = opts.get_device()
+    who = f"fxpass_{device.name}"
+    kind = device.label(opts.dev)
+    report = GraphReport(graph=next(_GRAPH_IDS), march=getattr(opts.dev, "march", device.name),
+                         executor=kind, device=device.name)
     # a symbolic int input (a cache counter) is host-side index arithmetic; a symbolic tensor
     # shape is what the BPU cannot take
     if not all(
@@ -157,16 +144,16 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
         if isinstance(v := p.meta.get("val"), torch.Tensor)
     ):
         note = (
-            "symbolic shapes: the BPU needs static shapes, so those nodes stay on the CPU; "
-            "compile with torch.compile(..., dynamic=False)"
+            f"symbolic shapes: device {device.name} takes static shapes, so those nodes stay "
+            "on the CPU; compile with torch.compile(..., dynamic=False)"
         )
         report.notes.append(note)
-        warnings.warn(f"fxpass_bpu: {note}", stacklevel=2)
+        warnings.warn(f"{who}: {note}", stacklevel=2)
     for note in (warn_if_growing(gm), warn_if_recompiling()):
         if note:
             report.notes.append(note)
     rules = select_rules(
-        target="bpu", enable=opts.enable, disable=opts.disable, only=opts.only
+        target=device.target, enable=opts.enable, disable=opts.disable, only=opts.only
     )
     # a plugin that failed to load took its rules with it: never only a warning on stderr
     if failed := "; ".join(f"{s}: {e}" for s, e in load_plugins().failures):
@@ -175,10 +162,8 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
                                f"{failed} (strict=True; FXPASS_BLOCK_PLUGINS=name skips one)")
         report.notes.append(f"plugin(s) failed to load, their rules are missing: {failed}")
     cache = ArtifactCache(opts.cache_dir) if opts.cache else None
-    min_macs = opts.min_compute_macs
-    if min_macs is None:
-        min_macs = DEFAULT_MIN_MACS[kind]
-    pkey = plan.key_for(gm, opts, rules, kind, cache)
+    min_macs = min_region_macs(opts)
+    pkey = plan.key_for(gm, opts, rules, device, cache)
     if pkey is not None:
         out = plan.apply(
             cache, pkey, opts, report, functools.partial(_region_eager, gm, opts), gm
@@ -191,7 +176,7 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
     rr = PassManager(rules, check=opts.check).run(gm, recompile=False)
     report.rules, report.rewrites = rr, dict(rr.rewrites)
     STATS["partition"] += 1
-    part = partition(gm, Capability(m), min_compute_macs=min_macs)
+    part = partition(gm, checked_capability(device, opts), min_compute_macs=min_macs)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem]
     report.call_nodes = len(calls)
     report.macs = sum(macs(n) for n in calls)
@@ -199,14 +184,14 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
     report.dropped = [f"{len(r.nodes)} nodes: {why}" for r, why in part.dropped]
     spliced, entries = [], []
     for r, name, rg, c, call, err in _compile_regions(
-        gm, part.regions, report.graph, m, kind, opts, cache
+        gm, part.regions, report.graph, opts, cache
     ):
         if err is not None:  # a region that cannot compile stays eager
             if opts.strict:
-                raise RuntimeError(f"fxpass_bpu: region {name} failed to compile: {err}") from err
+                raise RuntimeError(f"{who}: region {name} failed to compile: {err}") from err
             fallback = f"{type(err).__name__}: {err}"
             warnings.warn(
-                f"fxpass_bpu: region {name} failed to compile and runs eagerly: {fallback}",
+                f"{who}: region {name} failed to compile and runs eagerly: {fallback}",
                 stacklevel=2,
             )
             report.regions.append(
@@ -248,7 +233,8 @@ def _cpu_threads(report: GraphReport, opts: Options) -> int | None:
     share of the graph's MACs is light (an embedding and index arithmetic are no MACs)."""
     if opts.cpu_threads is not None:
         return opts.cpu_threads
-    host = any(r.executor == "onnxruntime" and r.fallback is None for r in report.regions)
+    host = opts.get_device().runs_on_host(opts.dev) and any(
+        r.fallback is None for r in report.regions)
     cpu_macs = report.macs - report.offloaded_macs
     return 1 if host and cpu_macs <= CPU_LIGHT_SHARE * report.macs else None
 
@@ -268,7 +254,8 @@ def _finish(
         top = sorted(report.cpu_reasons.items(), key=lambda kv: -kv[1])[:2]
         why = "; ".join(f"{k} (x{v})" for k, v in top)
         _warn_once(f"nothing:{top[0][0]}", (
-            f"graph {report.graph} runs entirely on the CPU ({report.macs / 1e6:.1f} MMACs, "
+            f"fxpass_{opts.device}: graph {report.graph} runs entirely on the CPU "
+            f"({report.macs / 1e6:.1f} MMACs, "
             f"none offloaded): {why}. fxpass.compile_reports() has the full report"))
     REPORTS.append(report)
     del REPORTS[:-MAX_REPORTS]  # a server compiling many graphs must not grow without bound
@@ -277,11 +264,11 @@ def _finish(
 
 
 def _compile_regions(
-    gm: GraphModule, regions: list, graph: int, m: Any, kind: str, opts: Options, cache: Any
+    gm: GraphModule, regions: list, graph: int, opts: Options, cache: Any
 ) -> list[tuple]:
     """Extract each region (in order: it reads the shared graph), then compile them in a thread
-    pool bounded by the CPU count: ORT session creation, onnx shape inference, hashing and
-    hbdk4 release the GIL. Returns (region, name, RegionGraph, Compiled, RegionCall, error)
+    pool bounded by the CPU count: session creation, shape inference, hashing and a device's
+    compiler release the GIL. Returns (region, name, RegionGraph, Compiled, RegionCall, error)
     per region, in region order; a failure is returned, not raised, so each region keeps its
     own fallback (or strict error) exactly as when compiled one by one."""
     jobs = []
@@ -298,19 +285,10 @@ def _compile_regions(
             return (r, name, rg, None, None, err)
         STATS["region_compiles"] += 1
         try:
-            c = compile_region(
-                rg,
-                name,
-                march=m.name,
-                executor=kind,
-                cache=cache,
-                options=opts,
-                threads=opts.threads,
-                tiered=opts.tiered,
-                keep=opts.exporting,
-            )
+            c = compile_region(rg, name, opts, cache)
             inputs = [p.meta["val"] for p in rg.gm.graph.find_nodes(op="placeholder")]
-            call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts.strict)
+            call = RegionCall(name, c.executor, rg.gm, inputs, strict=opts.strict,
+                              device=opts.device)
             call.compiled = c  # export() reads the region's key and artifact from here
         except Exception as e:  # noqa: BLE001 - reported per region by the caller
             return (r, name, rg, None, None, e)
@@ -328,16 +306,63 @@ def _region_eager(gm: GraphModule, opts: Options, rid: int) -> GraphModule:
     """Region ``rid``'s eager graph, rebuilt from the captured graph (a plan hit has none):
     the same rules and partition as the cold compile, on a copy."""
     g = _clone(gm)
+    device = opts.get_device()
     rules = select_rules(
-        target="bpu", enable=opts.enable, disable=opts.disable, only=opts.only
+        target=device.target, enable=opts.enable, disable=opts.disable, only=opts.only
     )
     STATS["rules"] += 1
     PassManager(rules, check=False).run(g, recompile=False)
-    kind = resolve_executor(opts.executor)
-    min_macs = opts.min_compute_macs
-    min_macs = DEFAULT_MIN_MACS[kind] if min_macs is None else min_macs
-    part = partition(g, Capability(march(opts.march)), min_compute_macs=min_macs)
+    part = partition(g, checked_capability(device, opts),
+                     min_compute_macs=min_region_macs(opts))
     for r in part.regions:
         if r.id == rid:
             return extract(g, r).gm
-    raise RuntimeError(f"fxpass_bpu: region {rid} is not in the rebuilt partition")
+    raise RuntimeError(f"fxpass_{device.name}: region {rid} is not in the rebuilt partition")
+
+
+def min_region_macs(opts: Options) -> int:
+    """The user's ``min_compute_macs``, else the device's own threshold."""
+    if opts.min_compute_macs is not None:
+        return opts.min_compute_macs
+    return opts.get_device().min_region_macs(opts.dev)
+
+
+def checked_capability(device: devices.Device, opts: Options) -> Callable[[Any], str | None]:
+    """The device's capability, held to the contract: a reason is a string or None, and an
+    exception names the device and the node instead of surfacing from the partitioner."""
+    cap = device.capability(opts.dev)
+
+    def reason(node: Any) -> str | None:
+        try:
+            why = cap(node)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the device
+            raise devices.DeviceError(
+                f"device {device.name} ({device.plugin}): its capability raised on node "
+                f"{node.name} ({node.target}): {type(e).__name__}: {e}") from e
+        if why is not None and not isinstance(why, str):
+            raise devices.DeviceError(
+                f"device {device.name} ({device.plugin}): its capability returned "
+                f"{why!r:.60} for node {node.name}; want a reason string or None")
+        return why
+
+    return reason
+
+
+def compile_region(rg: Any, name: str, opts: Options, cache: Any) -> Any:
+    """One extracted region through the device: keyed by the framework (graph, arguments,
+    weights, options, rules, the device's identity), compiled by the device."""
+    from fxpass.jit.cache import region_key
+
+    device = opts.get_device()
+    key = region_key(rg.gm, device=device.identity(opts.dev), options=opts.region_keyed(),
+                     host=device.runs_on_host(opts.dev))
+    names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
+    region = devices.Region(rg.gm, name, key, names, dict(rg.sources))
+    ctx = devices.Context(opts, opts.dev, None if opts.exporting else cache, opts.exporting)
+    c = device.compile(region, ctx)
+    if not isinstance(c, devices.Artifact) or not callable(c.executor):
+        raise devices.DeviceError(f"device {device.name}: compile() returned {c!r:.80}; want "
+                                  "an fxpass.device.Artifact with a callable executor")
+    if not c.key:
+        c.key = key
+    return c

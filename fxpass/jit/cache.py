@@ -38,7 +38,7 @@ from torch.fx import GraphModule
 # 9: host entries may be the lowering's own model ("optimized": false), small weights packed;
 # 5: host models carry the fused Attention; 4: fast checksums (digest.py) and cached plans;
 # 3: manifests with key
-CACHE_VERSION = "11"
+CACHE_VERSION = "12"
 MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash
@@ -51,45 +51,16 @@ _UNWRITABLE_WARNED: set[str] = set()
 def default_dir() -> Path:
     from platformdirs import user_cache_dir
 
-    return Path(os.environ.get("FXPASS_CACHE_DIR") or user_cache_dir("fxpass")) / "bpu"
+    return Path(os.environ.get("FXPASS_CACHE_DIR") or user_cache_dir("fxpass")) / "artifacts"
 
 
 def tool_versions() -> dict[str, str]:
-    """Versions of every tool that shapes an artifact.
-
-    onnxscript's version comes from its distribution metadata: importing it costs ~1 s, and a
-    warm process that loads its plan never needs the module itself. hbdk4 is looked up per
-    call (it may be installed, or faked in tests, after the first call).
-    """
-    v = dict(_base_versions())
-    try:
-        import hbdk4.compiler as hb  # noqa: F401
-
-        v["hbdk4"] = getattr(__import__("hbdk4"), "__version__", "unknown")
-    except ImportError:
-        pass
-    return v
-
-
-@functools.cache
-def _base_versions() -> tuple[tuple[str, str], ...]:
-    import importlib.metadata
-
-    import onnx
-    import onnxruntime
-
+    """Versions of the framework's tools that shape every artifact (fxpass, torch, the cache
+    format). A device's own tools are in its identity (``Device.identity``), which every key
+    covers."""
     import fxpass
 
-    v = {
-        "fxpass": fxpass.__version__,
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "cache": CACHE_VERSION,
-    }
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        v["onnxscript"] = importlib.metadata.version("onnxscript")  # shapes the host fusions
-    return tuple(v.items())
+    return {"fxpass": fxpass.__version__, "torch": torch.__version__, "cache": CACHE_VERSION}
 
 
 @functools.cache
@@ -123,8 +94,8 @@ def region_key(gm: GraphModule, **context: Any) -> str:
     """
     from fxpass.jit.digest import hasher, source_digest, tensor_digest
 
-    context = {**context, "source": source_digest("fxpass", "fxpass.backends.bpu")}
-    if context.get("executor") == "onnxruntime":
+    context = {**context, "source": source_digest("fxpass")}
+    if context.pop("host", False):
         context = {**context, "host_cpu": host_cpu_fingerprint()}
 
     h = hasher()  # xxh3-128 if installed, else sha256; weights memoized (digest.py)

@@ -33,7 +33,7 @@ from fxpass.jit.runtime import RegionFallbackWarning
 from fxpass.passmanager import ContractError, FixpointError
 from fxpass.rewriter import RuleError
 
-log = logging.getLogger("fxpass.bpu")
+log = logging.getLogger("fxpass.jit")
 
 
 #: Rebuilds after the weights of one instance changed (written in place, or a few replaced);
@@ -52,6 +52,7 @@ class GuardedGraph:
     def __init__(self, aot_gm: GraphModule, opts: Options):
         self.pristine = _clone(aot_gm)
         self.opts = opts
+        self.who = f"fxpass_{opts.device}"
         self._rebuilds: dict[tuple, int] = {}  # warned rebuilds per set of tensors
         self._buffer_writes: Counter[int] = Counter()
         self.evictions = 0
@@ -119,14 +120,15 @@ class GuardedGraph:
         else:
             fix = "please report it"
         msg = (
-            f"fxpass_bpu: this graph failed to compile and runs eagerly ({why}); results stay "
+            f"{self.who}: this graph failed to compile and runs eagerly ({why}); results stay "
             f"correct. Fix: {fix}; strict=True raises instead"
         )
         warnings.warn(msg, RegionFallbackWarning, stacklevel=3)
         report = GraphReport(
             graph=next(_GRAPH_IDS),
-            march=self.opts.march,
-            executor=self.opts.executor,
+            march=getattr(self.opts.dev, "march", self.opts.device),
+            executor=self.opts.get_device().label(self.opts.dev),
+            device=self.opts.device,
         )
         report.notes.append(msg)
         REPORTS.append(report)
@@ -191,18 +193,18 @@ class GuardedGraph:
         if len(buffers) == len(written):  # buffers only, written once: new values, frozen
             note = (f"buffer(s) {self._names(buffers)} written after compile: compiled again "
                     "with their new values (written again, they become inputs)")
-            log.info("fxpass_bpu: %s", note)
+            log.info("%s: %s", self.who, note)
             return self._rebuild(args, note)
         name = self._names([i for i in written if i not in buffers][:1])
         if self.opts.strict:
-            raise RuntimeError(f"fxpass_bpu: weight {name} changed after compile (strict=True)")
+            raise RuntimeError(f"{self.who}: weight {name} changed after compile (strict=True)")
         tensors = tuple((i, ptr) for i, ptr, *_ in sig)
         n = self._rebuilds.get(tensors, 0)
         if n >= MAX_REBUILDS:
             return self._give_up("weights keep changing; this graph now runs eagerly", args)
         self._rebuilds[tensors] = n + 1
         warnings.warn(
-            f"fxpass_bpu: weight {name} changed after compile; recompiling "
+            f"{self.who}: weight {name} changed after compile; recompiling "
             f"({n + 1}/{MAX_REBUILDS})",
             stacklevel=3,
         )
@@ -225,7 +227,7 @@ class GuardedGraph:
                 continue
             if t.dtype != traced.dtype or tuple(t.shape) != tuple(traced.shape):
                 raise RuntimeError(
-                    f"fxpass_bpu: weight {self._names([k])} is now {t.dtype} "
+                    f"{self.who}: weight {self._names([k])} is now {t.dtype} "
                     f"{tuple(t.shape)}, but this graph was traced for {traced.dtype} "
                     f"{tuple(traced.shape)}, and Dynamo did not recompile: its guards on the "
                     "model were filtered out (a guard_filter_fn such as "
@@ -256,7 +258,7 @@ class GuardedGraph:
         for i in written:
             del phs[i].meta[FROZEN], phs[i].meta[FROZEN_BUFFER]
         self.variants.clear()  # every variant froze them
-        log.info("fxpass_bpu: %s", note)
+        log.info("%s: %s", self.who, note)
         STATS["unfrozen_buffers"] += len(written)
         return self._rebuild(args, note)
 
@@ -278,7 +280,7 @@ class GuardedGraph:
         note = (f"variant {len(self.variants) + 1} of graph {self.report.graph}: compiled for "
                 "another instance's weights (instances of one module share Dynamo's graph; "
                 "replaced parameters are another set too)")
-        log.info("fxpass_bpu: %s", note)
+        log.info("%s: %s", self.who, note)
         STATS["variants"] += 1
         return self._rebuild(args, note)
 
@@ -293,8 +295,8 @@ class GuardedGraph:
 
     def _give_up(self, why: str, args: tuple) -> Any:
         if self.opts.strict:
-            raise RuntimeError(f"fxpass_bpu: {why} (strict=True raises instead)")
-        warnings.warn(f"fxpass_bpu: {why}", stacklevel=4)
+            raise RuntimeError(f"{self.who}: {why} (strict=True raises instead)")
+        warnings.warn(f"{self.who}: {why}", stacklevel=4)
         self.eager_only = True
         self.variants.clear()  # never used again: release their sessions and weights
         return self.pristine(*args)

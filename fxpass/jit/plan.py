@@ -11,12 +11,12 @@ compile report's numbers. It is filed under a key of the captured graph itself
   arguments such as eps, dims and strides) and output shape/dtype, and the inputs' strides;
 - a full digest of every frozen weight and graph constant (memoized per process, see
   ``digest.py``), and which inputs are frozen;
-- the options (all but ``cache_dir`` and ``tiered``), march, executor and, for the host, the
-  CPU fingerprint;
+- the options (the framework's and the device's, but for those that change no artifact) and,
+  for a device that runs on the host CPU, the CPU fingerprint;
 - the rule set: each selected rule's name, plugin distribution and version, priority, roots
   and the digest of the source module of its function (an edited plugin misses);
-- the source of the backend and the core (``fxpass``, ``fxpass.backends.bpu``) and the tool
-  versions (fxpass, torch, onnx, onnxruntime, onnxscript).
+- the source of the core (``fxpass``), the device's identity (its tool versions and the
+  digest of its own source) and the core's tool versions (fxpass, torch).
 
 Anything the encoder does not know (a symbolic size, an unknown argument type, an unknown
 ``call_module``) means no plan for that graph: it compiles cold, as before. The plan is stored
@@ -151,13 +151,13 @@ def _val(v: Any, stride: bool = False) -> Any:
     raise Unencodable(f"node value of type {type(v).__name__}")
 
 
-def graph_key(gm: GraphModule, opts: Options, rules: list[Any], executor: str) -> str:
+def graph_key(gm: GraphModule, opts: Options, rules: list[Any], device: Any) -> str:
     """The key of the backend's whole result for this captured graph (see the module doc).
 
     Raises :class:`Unencodable` when the graph cannot be keyed faithfully.
     """
     h = hasher()
-    h.update(f"plan{PLAN_VERSION}|{executor}|".encode())
+    h.update(f"plan{PLAN_VERSION}|{device.name}|".encode())
     for n in gm.graph.nodes:
         target = _target(n.target) if n.op == "call_function" else n.target
         if n.op in ("call_module", "call_method"):
@@ -180,9 +180,10 @@ def graph_key(gm: GraphModule, opts: Options, rules: list[Any], executor: str) -
         # partial) and constant folding's bounds (found by a probe: FXPASS_REWRITE_LIMIT=0
         # over a warm cache loaded the unlimited plan)
         "env": {name: env.get(name) for name in _KEYED_ENV},
-        "source": source_digest("fxpass", "fxpass.backends.bpu"),
+        "source": source_digest("fxpass"),
+        "device": device.identity(opts.dev),
         "tools": tool_versions(),
-        "host_cpu": host_cpu_fingerprint() if executor == "onnxruntime" else None,
+        "host_cpu": host_cpu_fingerprint() if device.runs_on_host(opts.dev) else None,
     }
     h.update(json.dumps(context, sort_keys=True, default=str).encode())
     return h.hexdigest()
@@ -275,16 +276,17 @@ def region_entry(module: str, rid: int, name: str, c: Any, rg: Any, r: Any) -> d
 
 
 def load(
-    cache: Any, key: str, threads: int | None, frozen: dict[str, torch.Tensor],
-    tiered: bool = True,
+    cache: Any, key: str, opts: Options, frozen: dict[str, torch.Tensor],
 ) -> tuple[dict, list[tuple[dict, Any]]] | None:
     """The stored plan and each region's loaded artifact (``compile.Compiled``), or None.
 
     Any missing, evicted or unreadable part is a miss: the graph compiles cold and the plan is
     written again. Never an error, never a partial plan.
     """
-    from fxpass.backends.onnx.host.entry import cached_ort
+    from fxpass.device import Context, Region
 
+    device = opts.get_device()
+    ctx = Context(opts, opts.dev, cache)
     data = cache.get(key, ".plan.json")
     consts = cache.get(key, ".plan.pt") if data is not None else None
     if data is None or consts is None:
@@ -295,7 +297,8 @@ def load(
         loaded = []
         for r in plan["regions"]:
             weights = {c: frozen[p] for c, p in r["sources"].items()}  # plans before: a miss
-            c = cached_ort(cache, r["key"], r["input_names"], threads, weights, tiered)
+            c = device.reopen(Region(None, r["name"], r["key"], r["input_names"], r["sources"]),
+                              weights, ctx)
             if c is None:
                 return None
             loaded.append((r, c))
@@ -316,13 +319,14 @@ def store(cache: Any, key: str, out: GraphModule, regions: list[dict], report: d
     return cache.put(key, ".plan.json", data, keep=keep) is not None
 
 
-def key_for(gm: GraphModule, opts: Options, rules: list, executor: str, cache: Any) -> str | None:
-    """The plan key, or None when plans do not apply: no cache, quantized regions (their
-    executor calibrates at run time from the float lowering) or a graph it cannot encode."""
-    if cache is None or opts.quantize or executor != "onnxruntime":
+def key_for(gm: GraphModule, opts: Options, rules: list, device: Any, cache: Any) -> str | None:
+    """The plan key, or None when plans do not apply: no cache, a device (or device options)
+    that cannot reopen regions from the cache (``Device.plans``: quantized regions calibrate
+    at run time from the float lowering) or a graph it cannot encode."""
+    if cache is None or not device.plans(opts.dev):
         return None
     try:
-        return graph_key(gm, opts, rules, executor)
+        return graph_key(gm, opts, rules, device)
     except Unencodable:
         return None
 
@@ -346,7 +350,7 @@ def apply(
 
     frozen = {p.name: p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder")
               if FROZEN in p.meta}
-    got = load(cache, key, opts.threads, frozen, opts.tiered)
+    got = load(cache, key, opts, frozen)
     if got is None:
         return None
     plan, loaded = got

@@ -43,6 +43,7 @@ class GraphReport:
     compile_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     rules: Any = None  # the fxpass Report of the rewrite phase (ledger, skips, times)
+    device: str = ""  # the device's name (the report's first word is its backend's)
 
     @property
     def node_share(self) -> float:
@@ -54,7 +55,7 @@ class GraphReport:
 
     def summary(self) -> str:
         return (
-            f"fxpass_bpu graph {self.graph}: {len(self.regions)} region(s), "
+            f"fxpass_{self.device} graph {self.graph}: {len(self.regions)} region(s), "
             f"{self.offloaded_call_nodes}/{self.call_nodes} call nodes "
             f"({self.node_share:.0%}), {self.offloaded_macs / 1e6:.1f}/{self.macs / 1e6:.1f} "
             f"MMACs ({self.mac_share:.0%}) offloaded to {self.executor} [{self.march}], "

@@ -14,17 +14,13 @@ import functools
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch.fx import GraphModule
 
-if TYPE_CHECKING:
-    import onnx
-
-    from fxpass.backends.onnx.lowering.driver import Weights
+from fxpass.device import Artifact
 
 
 class RegionFallbackWarning(UserWarning):
@@ -58,16 +54,9 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     """A zero-copy tensor of an executor's output, keeping its exact shape (0-dim stays 0-dim)."""
     return torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
 
-@dataclass
-class Compiled:
-    executor: Any
-    key: str
-    cached: bool
-    onnx_bytes: int
-    fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
-    #: with ``keep=True`` (``export``): the weightless model the executor runs and its
-    #: weights, which a package writes to disk as ONNX plus external data
-    artifact: tuple[onnx.ModelProto, Weights] | None = None
+#: one compiled region (``fxpass.device.Artifact``): its executor, key, size and what a
+#: package writes of it
+Compiled = Artifact
 
 
 class TorchThreads:
@@ -112,11 +101,13 @@ class RegionCall(torch.nn.Module):
         expected: list[Any],
         strict: bool = False,
         out_shapes: list[torch.Size | None] | None = None,
+        device: str = "",
     ):
         """``eager`` is the region's own graph, or (on a cached plan, where the rules did not
         run) a function that rebuilds it; it is only needed if the executor fails."""
         super().__init__()
         self.name = name
+        self.who = f"fxpass_{device}" if device else "fxpass"
         self.executor = executor
         self._eager_factory = None if isinstance(eager, GraphModule) else eager
         if isinstance(eager, GraphModule):
@@ -175,10 +166,10 @@ class RegionCall(torch.nn.Module):
 
     def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
         if self.strict:
-            raise RuntimeError(f"fxpass_bpu region {self.name} cannot run: {why} (strict=True)")
+            raise RuntimeError(f"{self.who} region {self.name} cannot run: {why} (strict=True)")
         self.failed = why
         warnings.warn(
-            f"fxpass_bpu region {self.name} runs eagerly from now on: {why}",
+            f"{self.who} region {self.name} runs eagerly from now on: {why}",
             RegionFallbackWarning,
             stacklevel=2,
         )

@@ -180,7 +180,7 @@ def test_option_type_errors_name_the_type_wanted(options, message):
     from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match=message):
-        validate_options(options)
+        validate_options(options, "bpu")
 
 
 def test_options_are_validated(opts):
@@ -207,7 +207,7 @@ def test_options_are_validated(opts):
 
 
 def test_strict_raises_when_a_region_cannot_run(opts, monkeypatch):
-    import fxpass.backends.bpu.compile as comp
+    import fxpass.backends.onnx.compile as comp
     import fxpass.backends.onnx.host.build as build
 
     def broken(*a, **k):
@@ -239,7 +239,7 @@ def test_guard_keeps_one_variant_per_weights_and_evicts_stale_versions():
     x, w1, w2 = torch.randn(4, 16), torch.randn(16, 16), torch.randn(16, 16)
     gm = trace(lambda x, w: torch.relu(x @ w.t()), x, w1)
     gm.graph.find_nodes(op="placeholder")[1].meta[FROZEN] = w1
-    g = GuardedGraph(gm, validate_options({"min_compute_macs": 0, "cache": False}))
+    g = GuardedGraph(gm, validate_options({"min_compute_macs": 0, "cache": False}, "bpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for w in (w1, w2, w1, w2):
@@ -423,7 +423,7 @@ def test_max_variants_must_be_positive():
     from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="max_variants"):
-        validate_options({"max_variants": 0})
+        validate_options({"max_variants": 0}, "bpu")
 
 
 class _CachedAttention(torch.nn.Module):
@@ -717,7 +717,7 @@ def test_a_bad_fxpass_variable_is_an_error_naming_it(monkeypatch):
 
     monkeypatch.setenv("FXPASS_REWRITE_LIMIT", "abc")
     with pytest.raises(ValueError, match="FXPASS_REWRITE_LIMIT='abc' is invalid"):
-        validate_options({"cache": False})
+        validate_options({"cache": False}, "bpu")
 
 
 def test_as_strided_of_a_split_piece_used_inside_and_returned_beside_another(opts):

@@ -202,35 +202,35 @@ def test_graph_key_covers_plugin_rule_version_and_source(tmp_path, monkeypatch):
 
     (c,) = _cg(_mlp(), XS)
     rules = select_rules(target="bpu")
-    opts = options_mod.from_options({"cache_dir": str(tmp_path)})
-    k = plan_mod.graph_key(c.gm, opts, rules, "onnxruntime")
-    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") == k  # stable
+    opts = options_mod.from_options({"cache_dir": str(tmp_path)}, "bpu")
+    k = plan_mod.graph_key(c.gm, opts, rules, opts.get_device())
+    assert plan_mod.graph_key(c.gm, opts, rules, opts.get_device()) == k  # stable
     monkeypatch.setattr(digest_mod, "_dist_version", lambda dist: "99.0")
-    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k  # a plugin upgrade
+    assert plan_mod.graph_key(c.gm, opts, rules, opts.get_device()) != k  # a plugin upgrade
     monkeypatch.undo()
     monkeypatch.setattr(digest_mod, "module_digest", lambda name: "edited")
-    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k  # an edited rule module
+    assert plan_mod.graph_key(c.gm, opts, rules, opts.get_device()) != k  # an edited rule module
     monkeypatch.undo()
-    assert plan_mod.graph_key(c.gm, opts, rules[:-1], "onnxruntime") != k  # one rule fewer
-    assert plan_mod.graph_key(c.gm, opts.replace(march="nash-e"), rules, "onnxruntime") != k
+    assert plan_mod.graph_key(c.gm, opts, rules[:-1], opts.get_device()) != k  # one rule fewer
+    assert plan_mod.graph_key(c.gm, opts.replace(march="nash-e"), rules, opts.get_device()) != k
     # found by a probe: a bisection's FXPASS_REWRITE_LIMIT over a warm cache loaded the
     # unlimited plan; the folding bounds change the rules' result too
     for name, value in (("FXPASS_REWRITE_LIMIT", "0"), ("FXPASS_FOLD_MIN_BYTES", "0")):
         monkeypatch.setenv(name, value)
-        assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") != k, name
+        assert plan_mod.graph_key(c.gm, opts, rules, opts.get_device()) != k, name
         monkeypatch.delenv(name)
-    assert plan_mod.graph_key(c.gm, opts, rules, "onnxruntime") == k
+    assert plan_mod.graph_key(c.gm, opts, rules, opts.get_device()) == k
 
 
 def test_fxpass_check_reaches_the_backend(monkeypatch):
     """Found by a probe: the backend passed check=False explicitly, so FXPASS_CHECK=1 did
     nothing there, and a bad value was not even read."""
     monkeypatch.setenv("FXPASS_CHECK", "1")
-    assert options_mod.from_options({"cache": False}).check is True
-    assert options_mod.from_options({"cache": False, "check": False}).check is False
+    assert options_mod.from_options({"cache": False}, "bpu").check is True
+    assert options_mod.from_options({"cache": False, "check": False}, "bpu").check is False
     monkeypatch.setenv("FXPASS_CHECK", "maybe")
     with pytest.raises(ValueError, match="FXPASS_CHECK='maybe' is invalid"):
-        options_mod.from_options({"cache": False})
+        options_mod.from_options({"cache": False}, "bpu")
 
 
 
@@ -333,10 +333,10 @@ def test_regions_compile_in_parallel_and_keep_per_region_fallback(tmp_path, monk
     assert d.get("parallel_compiles") == 1
     real = backend_mod.compile_region
 
-    def flaky(rg, name, **kw):
+    def flaky(rg, name, *a, **kw):
         if name.endswith("_r0"):
             raise RuntimeError("hbdk4 says no")
-        return real(rg, name, **kw)
+        return real(rg, name, *a, **kw)
 
     monkeypatch.setattr(backend_mod, "compile_region", flaky)
     with pytest.warns(UserWarning, match="hbdk4 says no"):

@@ -125,11 +125,12 @@ def test_onnxruntime_key_covers_the_host_cpu(monkeypatch):
     g = torch.fx.symbolic_trace(torch.nn.Linear(8, 8))
     fp = cache_mod.host_cpu_fingerprint()
     assert isinstance(fp, str) and fp and cache_mod.host_cpu_fingerprint() is fp  # once
-    ort = region_key(g, executor="onnxruntime")
-    hbm = region_key(g, executor="hbdnn")
+    ort = region_key(g, executor="onnxruntime", host=True)
+    hbm = region_key(g, executor="hbdnn", host=False)
     monkeypatch.setattr(cache_mod, "host_cpu_fingerprint", lambda: "other-cpu")
-    assert region_key(g, executor="onnxruntime") != ort  # ORT-optimized models are host-bound
-    assert region_key(g, executor="hbdnn") == hbm  # the board artifact is not
+    # ORT-optimized models are host-bound (a device that runs on the host CPU)
+    assert region_key(g, executor="onnxruntime", host=True) != ort
+    assert region_key(g, executor="hbdnn", host=False) == hbm  # the board artifact is not
 
 
 # 2. malformed manifests ----------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_cpu_threads_option_is_validated(opts):
     from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="cpu_threads.*between 1 and"):
-        validate_options({**opts, "cpu_threads": 0})
+        validate_options({**opts, "cpu_threads": 0}, "bpu")
 
 
 def test_a_region_that_failed_runs_its_eager_graph_on_the_callers_threads(

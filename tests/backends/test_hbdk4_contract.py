@@ -149,7 +149,7 @@ def test_board_path_refuses_a_mac_op_quantization_left_float(opts, monkeypatch):
 
 
 def test_auto_picks_the_board_only_when_hbdk4_and_runtime_exist(opts, monkeypatch):
-    from fxpass.backends.bpu.compile import resolve_executor
+    from fxpass.backends.bpu.device import resolve_executor
 
     assert resolve_executor("auto") == "onnxruntime"
     fake_hbdk4.install(monkeypatch)

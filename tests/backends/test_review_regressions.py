@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from fxpass.backends.bpu.compile import compile_region
+from fxpass.jit.backend import compile_region
 
 
 def test_an_argument_named_like_buffers_is_data_not_a_weight(opts):
@@ -47,7 +47,7 @@ def test_getitem_of_a_rejected_tuple_stays_with_it(opts):
 
 
 def test_threads_option_reaches_onnxruntime(opts, monkeypatch):
-    import fxpass.backends.bpu.compile as comp
+    import fxpass.jit.backend as comp
 
     seen = []
     real = comp.compile_region

@@ -54,8 +54,8 @@ class _no_fallback:
 @pytest.mark.parametrize("threads", [0, -1, 10**6])
 def test_threads_is_bounded_by_the_cpu_count(threads):
     with pytest.raises(TypeError, match="threads"):
-        options_mod.from_options({"threads": threads})
-    assert options_mod.from_options({"threads": 1}).threads == 1
+        options_mod.from_options({"threads": threads}, "bpu")
+    assert options_mod.from_options({"threads": 1}, "bpu").threads == 1
 
 
 def test_inference_mode_weights_compile_and_warn_once(opts):

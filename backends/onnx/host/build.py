@@ -156,7 +156,7 @@ def build_ort(
     """``compile_ort`` from the lowered model: ``fusions`` None runs them here (beside the
     weights write), else they ran already. ``fast``: a tiered region's first-tier model and
     its shared inputs' weights, stored with the entry. ``keep``: ``buffers`` is empty (every
-    weight written), and ``Compiled.artifact`` keeps the weightless model and its weights."""
+    weight written), and ``Compiled.data`` keeps the weightless model and its weights."""
     fuse = fusions is None
     fusions = dict(fusions or {})
     with contextlib.ExitStack() as stack:

@@ -1,0 +1,159 @@
+"""The ``ort`` device: regions as onnxruntime sessions on this machine's CPU.
+
+``torch.compile(model, backend="fxpass_ort")``; ahead of time, ``fxpass.aot.export.export(
+model, args, device="ort")`` (or ``fxpass export --device ort``) and ``load(path)``. A product
+of its own, and the BPU device's host stand-in (which composes it). Everything it has is the
+shared ONNX plumbing (``fxpass.backends.onnx``): the lowering, the host fusions and the
+executor; this module only says so to the framework.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch.fx import Node
+
+from fxpass.device import Artifact, Context, Device, Files, Region
+from fxpass.jit.options import check_threads
+
+QUANTIZE_HELP = (
+    "quantize regions: 'w8a16' (int8 per-channel weights, int16 activations), 'w8a8', "
+    "True (w8a16) or {'config', 'method', 'percentile'}; calibrate with "
+    "fxpass.backends.onnx.calibration.calibrate(fn, batches) (default None)")
+
+
+@dataclass(frozen=True)
+class OrtOptions:
+    threads: int | None = None
+    host_fusions: bool = True
+    tiered: bool = True
+    prepack_one_row: bool = True
+    quantize: str | dict | bool | None = None
+
+
+class OrtDevice(Device):
+    name = "ort"
+    target = "ort"
+    description = "onnxruntime on the host CPU"
+    Options: ClassVar[type] = OrtOptions
+    OPTIONS: ClassVar[dict[str, tuple[Any, str]]] = {
+        "threads": ((int, type(None)), "onnxruntime intra-op threads"),
+        "host_fusions": (bool, "onnxscript's onnxruntime fusions on host regions (default "
+                         "True)"),
+        "tiered": (bool, "host regions that prepack large weights run an in-place-weights "
+                   "session until the prepacked one is built in the background (default True); "
+                   "False builds it first"),
+        "prepack_one_row": (bool, "host regions that multiply one row per GEMM (a decode step, "
+                            "a 1-token forward) prepack their weights too (default True: ~1.2x "
+                            "faster, a packed copy of the weights per region); False reads them "
+                            "in place and holds no copy"),
+        "quantize": ((str, dict, bool, type(None)), QUANTIZE_HELP),
+    }
+    unkeyed = ("tiered", "threads")
+    modules = ("fxpass.backends.onnx", "fxpass.backends.ort")
+    #: ``python -m benchmarks.probes.ort_overhead`` measured 4.4 us per onnxruntime call and
+    #: 113 GMAC/s on this 2-core machine: break-even ~0.5M MACs
+    min_macs = 500_000
+    host = True
+
+    def check_options(self, raw: dict[str, Any]) -> Any:
+        from fxpass.backends.onnx.quantize import QuantizationError, resolve_config
+
+        opts = Device.check_options(self, raw)
+        check_threads(opts.threads, "threads", f"fxpass_{self.name}", "onnxruntime")
+        try:  # a bad quantize value fails here, not per region
+            resolve_config(opts.quantize)
+        except QuantizationError as e:
+            raise TypeError(f"fxpass_{self.name} option 'quantize': {e}") from None
+        return opts
+
+    def needs_frozen_weights(self, opts: Any) -> str | None:
+        from fxpass.backends.onnx.quantize import resolve_config
+
+        if resolve_config(opts.quantize) is None:
+            return None
+        # weights that are inputs would be calibrated as activations, once: after an update
+        # the region kept the old ranges (found by a probe: cosine 0.89, no warning)
+        return ("quantization (option 'quantize') needs freeze_weights=True: weights are "
+                "quantized per channel when the region is built, and guarded; with "
+                "freeze_weights=False they would be graph inputs quantized with calibrated "
+                "activation ranges that a weight update silently outdates. Drop "
+                "freeze_weights=False, or quantize=None")
+
+    def capability(self, opts: Any) -> Any:
+        from fxpass.backends.onnx.lowering import Reasons
+
+        return Reasons(None)  # every op the lowering emits, cached per node for one run
+
+    def reject(self, node: Node, opts: Any) -> str | None:
+        return self.capability(opts)(node)
+
+    def label(self, opts: Any) -> str:
+        return "onnxruntime"
+
+    def versions(self, opts: Any) -> dict[str, str]:
+        return dict(_versions())
+
+    def prepare(self, opts: Any) -> None:
+        from fxpass.backends.onnx.preload import preload_onnxruntime
+
+        preload_onnxruntime()
+
+    def compile(self, region: Region, ctx: Context) -> Artifact:
+        from fxpass.backends.onnx.compile import compile_region
+
+        return compile_region(region, ctx)
+
+    def plans(self, opts: Any) -> bool:
+        return opts.quantize is None
+
+    def reopen(self, region: Region, weights: dict, ctx: Context) -> Artifact | None:
+        from fxpass.backends.onnx.host.entry import cached_ort
+
+        o = ctx.device_options
+        return cached_ort(ctx.cache, region.key, region.input_names, o.threads, weights,
+                          o.tiered)
+
+    def open(self, entry: dict[str, Any], files: Files) -> Any:
+        from fxpass.backends.onnx.host.ort import OrtExecutor
+
+        return OrtExecutor(str(files.path(entry["model"])), entry["input_names"])
+
+    def settle(self) -> None:
+        from fxpass.backends.onnx.host.ort import settle
+
+        settle()
+
+
+@functools.cache
+def _versions() -> tuple[tuple[str, str], ...]:
+    """onnxscript's version from its metadata: importing it costs ~1 s, and a warm process
+    that loads its plan never needs the module itself."""
+    import contextlib
+    import importlib.metadata
+
+    import onnx
+    import onnxruntime
+
+    v = {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        v["onnxscript"] = importlib.metadata.version("onnxscript")  # shapes the host fusions
+    return tuple(v.items())
+
+
+DEVICE = OrtDevice()
+
+
+def fxpass_devices() -> list[Device]:
+    return [DEVICE]
+
+
+def fxpass_targets() -> list[Any]:
+    from fxpass.plugins import Target
+
+    return [Target(name="ort", description="onnxruntime on the host CPU")]
+
+
+__all__ = ["DEVICE", "OrtDevice", "OrtOptions"]
