@@ -304,7 +304,7 @@ def forward_one(family: str) -> dict[str, Any]:
     with torch.no_grad(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         ref = model(**x)
-        out = torch.compile(model, backend="fxpass_bpu", dynamic=False,
+        out = torch.compile(model, backend=f"fxpass_{DEVICE[0]}", dynamic=False,
                             options={"min_compute_macs": 0})(**x)
     a, b = _flat(ref), _flat(out)
     match = len(a) == len(b) and all(
@@ -333,7 +333,7 @@ def _generate_pair(model: Any, inputs: dict[str, Any], new_tokens: int) -> tuple
     import torch
 
     import fxpass
-    from fxpass.backends.bpu import compile_for_generate
+    from fxpass.hf.generation import compile_for_generate
 
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               output_scores=True, return_dict_in_generate=True)
@@ -341,7 +341,8 @@ def _generate_pair(model: Any, inputs: dict[str, Any], new_tokens: int) -> tuple
         model.generation_config.max_cache_len = 64
         expected = model.generate(**inputs, cache_implementation="static", **kw)
         before = len(fxpass.compile_reports())
-        compile_for_generate(model, max_cache_len=64, options={"min_compute_macs": 0})
+        compile_for_generate(model, max_cache_len=64, options={"min_compute_macs": 0},
+                             device=DEVICE[0])
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             got = model.generate(**inputs, **kw)
@@ -392,11 +393,16 @@ def seq2seq_one(family: str, new_tokens: int) -> dict[str, Any]:
     return _summary(family, match, reports, w)
 
 
-def one(family: str, new_tokens: int, dtype: str = "float32", longer: bool = False
-        ) -> dict[str, Any]:
+#: the device the families run on (``one(..., device=)``; the sweep's ``--device``)
+DEVICE = ["bpu"]
+
+
+def one(family: str, new_tokens: int, dtype: str = "float32", longer: bool = False,
+        device: str = "bpu") -> dict[str, Any]:
     """Run one family in this process (the parent runs each in a child). ``longer`` (fp32
     decoders): then an 11-token prompt too, which the 4-token compiled prefill takes as two
     chunks and an eager 3-token tail (``fxpass/hf/prefill.py``)."""
+    DEVICE[0] = device
     if family in FORWARD:
         return forward_one(family)
     if family in SEQ2SEQ:

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
         ("ConvBert", 0, 1),     # im2col_to_slices: span-based dynamic convolution
     ],
 )
-def test_family_is_one_region_per_graph_and_matches_eager(family, new_tokens, graphs):
-    r = one(family, new_tokens)
+@pytest.mark.parametrize("device", ["bpu", "ort"])
+def test_family_is_one_region_per_graph_and_matches_eager(family, new_tokens, graphs, device):
+    r = one(family, new_tokens, device=device)
     assert r["tokens_match"], r
     assert r["graphs"] == graphs, r
     assert r["regions_per_graph"] == [1] * graphs, r

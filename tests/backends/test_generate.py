@@ -13,6 +13,7 @@ import torch
 
 import fxpass
 from fxpass.backends.bpu import compile_for_generate
+from fxpass.hf import generation
 from fxpass.hf.generation import GrowingCacheWarning
 from fxpass.tools import zoo
 
@@ -36,12 +37,14 @@ def _new_reports(before):
     return fxpass.compile_reports()[before:]
 
 
+@pytest.mark.parametrize("device", ["bpu", "ort"])
 @pytest.mark.parametrize("name", DECODERS)
-def test_static_cache_generate_is_two_graphs_of_one_region(name, opts):
+def test_static_cache_generate_is_two_graphs_of_one_region(name, device, opts):
+    """On the BPU and on the ort device: the same framework, the device's capability."""
     model, ids = _model(name)
     expected = _generate(model, ids, cache_implementation="static")
     before = len(fxpass.compile_reports())
-    compile_for_generate(model, max_cache_len=32, options=opts)
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device=device)
     got = _generate(model, ids)
     again = _generate(model, ids, n=10)  # another length under the same ceiling: no recompile
     assert torch.equal(got, expected)

@@ -41,9 +41,10 @@ def fresh():
     torch._dynamo.reset()
 
 
-def test_many_lengths_one_dynamo_trace_no_warnings(fresh, opts):
+@pytest.mark.parametrize("device", ["bpu", pytest.param("ort", marks=pytest.mark.slow)])
+def test_many_lengths_one_dynamo_trace_no_warnings(fresh, opts, device):
     model, _ = zoo.get("bert")
-    c = torch.compile(model, backend="fxpass_bpu", options=opts)
+    c = torch.compile(model, backend=f"fxpass_{device}", options=opts)
     before, made = _graphs(), STATS["shape_variants"]
     lengths = [8, 12, 16, 20, 24, 28, 9, 33, 8, 12]
     with torch.no_grad(), warnings.catch_warnings(record=True) as w:
