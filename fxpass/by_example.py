@@ -150,7 +150,7 @@ def pattern_from(
     if (target is None) == (rules is None):
         raise TypeError(
             "pattern_from needs exactly one of target= (the target whose node rules normalize "
-            "the trace, e.g. target='bpu') and rules= (those rules themselves; rules=[] for the "
+            "the trace, e.g. target='ort') and rules= (those rules themselves; rules=[] for the "
             f"raw trace); got target={target!r}, rules={rules!r}")
     names = list(inspect.signature(fn).parameters)
     unknown = [n for n in nums if n not in names]

@@ -46,7 +46,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The core's own commands, plus every command a plugin contributes (``fxpass_commands``).
 
-    The core imports no backend: ``demo`` and ``explain`` are the BPU plugin's commands.
+    The core imports no backend: ``demo`` and ``explain`` are a device plugin's commands.
     """
     from .plugins import load
 

@@ -32,7 +32,7 @@ class Rule:
     # graph (no BF16 anywhere, say) is left out of the index instead of tried on every node.
     applies: Callable[[Any], bool] | None = None
     # Targets (by name) this rule joins even when it is off by default: a plugin's way to add
-    # a rule to a target another plugin owns (``@rule(..., targets=["bpu"])``).
+    # a rule to a target another plugin owns (``@rule(..., targets=["my_device"])``).
     targets: frozenset[str] = field(default_factory=frozenset)
     # The declarative pattern the rule was built from (fxpass.pattern), if any: the test kit
     # generates graphs around it.

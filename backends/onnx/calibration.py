@@ -2,7 +2,7 @@
 
 The one documented way (docs/quantization.md)::
 
-    fn = torch.compile(model, backend="fxpass_bpu", options={"quantize": "w8a16"})
+    fn = torch.compile(model, backend="fxpass_ort", options={"quantize": "w8a16"})
     fxpass.backends.bpu.calibrate(fn, batches)   # a few representative batches
     fn(**batch)                                   # quantized regions from here on
 
@@ -47,7 +47,7 @@ class QuantInfo:
     region: str
     config: str
     march: str
-    target: str  # "onnxruntime" (host) or "hbdnn" (board)
+    target: str  # "onnxruntime" (host) or a device compiler's kind (the board's)
     state: str = "awaiting calibration (runs float)"
     batches: int = 0
     cosine: float | None = None  # vs the float region, on the calibration data
@@ -111,7 +111,7 @@ class QuantizingExecutor:
         if s is not None:
             s.samples.setdefault(self, []).append([t.detach().numpy().copy() for t in tensors])
             return self.float(*tensors)
-        if self.active is self.float and self.info.target == "hbdnn" and not self._warned:
+        if self.active is self.float and self.info.target != "onnxruntime" and not self._warned:
             self._warned = True
             warnings.warn(
                 f"fxpass_bpu region {self.info.region} is bound for the board but not calibrated"

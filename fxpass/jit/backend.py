@@ -158,7 +158,7 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
     # a plugin that failed to load took its rules with it: never only a warning on stderr
     if failed := "; ".join(f"{s}: {e}" for s, e in load_plugins().failures):
         if opts.strict:
-            raise RuntimeError(f"fxpass_bpu: plugin(s) failed to load, their rules are missing: "
+            raise RuntimeError(f"{who}: plugin(s) failed to load, their rules are missing: "
                                f"{failed} (strict=True; FXPASS_BLOCK_PLUGINS=name skips one)")
         report.notes.append(f"plugin(s) failed to load, their rules are missing: {failed}")
     cache = ArtifactCache(opts.cache_dir) if opts.cache else None
@@ -198,7 +198,7 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
                 RegionReport(name, len(r.nodes), r.macs, 0, 0, "eager", False, fallback)
             )
             continue  # its nodes stay in the graph and run in PyTorch
-        entries.append(plan.region_entry(f"bpu_region_{len(spliced)}", r.id, name, c, rg, r))
+        entries.append(plan.region_entry(f"device_region_{len(spliced)}", r.id, name, c, rg, r))
         spliced.append((rg, call))
         report.regions.append(
             RegionReport(

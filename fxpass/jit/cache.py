@@ -87,7 +87,7 @@ def host_cpu_fingerprint() -> str:
 def region_key(gm: GraphModule, **context: Any) -> str:
     """Digest of the region graph (structure and arguments), its weights and the context.
 
-    For ``executor="onnxruntime"`` the context also covers the host CPU (see
+    For a device that runs on the host CPU (``host=True``) the context also covers it (see
     :func:`host_cpu_fingerprint`); board artifacts do not depend on the compiling host. It
     always covers the backend's own source (``digest.source_digest``): the lowering and the
     host fusions make the artifact, and an editable install changes them without a version.
@@ -122,7 +122,7 @@ class ArtifactCache:
         if isinstance(root, str) and not root.strip():
             # Path("") is the working directory: artifacts would litter wherever the user runs
             raise ValueError(
-                f"fxpass_bpu option cache_dir={root!r} is empty, which would write the artifact "
+                f"fxpass option cache_dir={root!r} is empty, which would write the artifact "
                 "cache into the working directory; pass a directory path, leave cache_dir unset "
                 "(None) for the default ($FXPASS_CACHE_DIR or the user cache directory), or "
                 "pass cache=False to disable the cache"

@@ -104,7 +104,7 @@ def splice(gm: GraphModule, regions: list[tuple[RegionGraph, torch.nn.Module]]) 
             env[n] = g.node_copy(n, lambda x: env[x])
         else:
             rg, mod = regions[u[1]]
-            name = f"bpu_region_{u[1]}"
+            name = f"device_region_{u[1]}"
             gm.add_module(name, mod)
             call = g.call_module(name, tuple(env[i] for i in rg.inputs))
             call.meta["val"] = tuple(o.meta["val"] for o in rg.outputs)
