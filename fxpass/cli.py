@@ -1,4 +1,5 @@
-"""The ``fxpass`` command: ``rules``, ``--version``, and the commands plugins add."""
+"""The ``fxpass`` command: ``rules`` (rules, targets and devices), ``--version``, and the
+commands plugins add."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def _roots(r: object) -> str:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
-    """Every rule: on/off by default, priority, the targets that run it, tags, roots, plugin."""
+    """Every rule: on/off by default, priority, the targets that run it, tags, roots, plugin;
+    then every target and every installed device with its options."""
     from .plugins import load
 
     reg = load()
@@ -38,6 +40,10 @@ def cmd_rules(args: argparse.Namespace) -> int:
             f"target {t.name} (plugin={t.plugin}): enables {list(t.enable)}{tags}, "
             f"disables {list(t.disable)}; {t.description}"
         )
+    for d in sorted(reg.devices.values(), key=lambda d: d.name):
+        opts = ", ".join(d.option_names()) or "none"
+        print(f"device {d.name} (plugin={d.plugin}): backend fxpass_{d.name}, target "
+              f"{d.target}, options: {opts}; {d.description}")
     for source, err in reg.failures:
         print(f"FAILED plugin {source}: {err}", file=sys.stderr)
     return 0

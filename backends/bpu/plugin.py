@@ -1,12 +1,26 @@
-"""The BPU target, registered through the ``fxpass`` entry point group."""
+"""The BPU target and device, and the CLI's model commands, registered through the ``fxpass``
+entry point group.
+
+``demo`` runs on the BPU device. ``explain``, ``export``, ``run`` and ``generate`` take
+``--device`` (any installed device; ``bpu`` by default for ``explain`` and ``export``, the
+package's own for ``run`` and ``generate``); ``--march`` is the BPU device's option.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from fxpass.plugins import Command, Target
+
+
+def fxpass_devices() -> list:
+    from fxpass.backends.bpu.device import DEVICE
+
+    return [DEVICE]
 
 
 def fxpass_targets() -> list[Target]:
@@ -58,6 +72,33 @@ def _quantize(raw: str) -> str:
     return raw
 
 
+#: the device the commands use unless --device names another
+DEVICE = "bpu"
+
+
+def _device_argument(p: argparse.ArgumentParser, default: str | None = DEVICE,
+                     text: str | None = None) -> None:
+    from fxpass.plugins import load
+
+    p.add_argument("--device", choices=sorted(load().devices), default=default,
+                   help=text or f"an installed device (default {default})")
+
+
+def _device_options(args: argparse.Namespace, verb: str) -> dict[str, Any] | None:
+    """The device options the flags give (``--march``: the BPU's), or None after printing
+    why the device has no such option (one line, the caller exits with status 2)."""
+    from fxpass.plugins import get_device
+
+    options: dict[str, Any] = {}
+    if args.march is not None:
+        if "march" not in get_device(args.device).option_names():
+            print(f"fxpass {verb}: --march is an option of device {DEVICE}; device "
+                  f"{args.device!r} has no march", file=sys.stderr)
+            return None
+        options["march"] = args.march
+    return options
+
+
 def _svg(raw: str) -> str:
     parent = os.path.dirname(os.path.abspath(raw))
     if not os.path.isdir(parent):  # checked before the model runs, not after
@@ -80,7 +121,9 @@ def _demo_arguments(d: argparse.ArgumentParser) -> None:
 
 def _explain_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("model", help="built-in name (e.g. qwen3-tiny) or path/to/file.py:factory")
-    e.add_argument("--march", type=_march, default="nash-p")
+    _device_argument(e)
+    e.add_argument("--march", type=_march, default=None,
+                   help="the BPU's target march (default: the device's, nash-p)")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.add_argument("--svg", metavar="FILE", type=_svg,
                    help="draw the graph with regions coloured")
@@ -94,19 +137,30 @@ def _explain_arguments(e: argparse.ArgumentParser) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from fxpass.tools.demo import main
 
-    return main(args)
+    return main(args, DEVICE)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
     from fxpass.tools.explain import main
 
-    return main(args)
+    options = _device_options(args, "explain")
+    if options is None:
+        return 2
+    calibrate = None
+    if args.quantize:
+        from fxpass.backends.onnx.calibration import calibrate
+
+        if args.device == DEVICE:  # calibration records on the host stand-in's sessions
+            options["executor"] = "onnxruntime"
+    return main(args, options, calibrate)
 
 
 def _export_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("model", help="built-in name (e.g. bert, qwen3-tiny) or path/to/file.py:factory")
     e.add_argument("out", help="the package directory to write")
-    e.add_argument("--march", type=_march, default="nash-p")
+    _device_argument(e)
+    e.add_argument("--march", type=_march, default=None,
+                   help="the BPU's target march (default: the device's, nash-p)")
     e.add_argument("--min-compute-macs", type=_at_least(0), default=None)
     e.add_argument("--generate", action="store_true",
                    help="a decoder-only LM for generation: prefill and decode programs over a "
@@ -118,6 +172,8 @@ def _export_arguments(e: argparse.ArgumentParser) -> None:
 
 def _generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("package", help="a directory written by fxpass export --generate")
+    _device_argument(g, None, "refuse a package exported for another device (default: run "
+                     "on the package's own)")
     g.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     g.add_argument("--max-new-tokens", type=_at_least(1), default=32)
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
@@ -135,6 +191,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("package", help="a directory written by fxpass export")
+    _device_argument(r, None, "refuse a package exported for another device (default: run "
+                     "on the package's own)")
     r.add_argument("--inputs", help="a torch.save file of (args, kwargs); default: random "
                    "inputs of the exported shapes")
     r.add_argument("--repeat", type=_at_least(0), default=10, help="timed calls after the first")
@@ -143,7 +201,8 @@ def _run_arguments(r: argparse.ArgumentParser) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from fxpass.tools.deploy import export_main
 
-    return export_main(args)
+    options = _device_options(args, "export")
+    return 2 if options is None else export_main(args, options)
 
 
 def _run_run(args: argparse.Namespace) -> int:
@@ -156,7 +215,7 @@ def fxpass_commands() -> list[Command]:
     return [
         Command("demo", "compile a stock HF Qwen3 with backend='fxpass_bpu'", _demo_arguments,
                 _run_demo),
-        Command("explain", "show rewrites, regions and CPU-left nodes for a model",
+        Command("explain", "show rewrites, regions and CPU-left nodes for a model on a device",
                 _explain_arguments, _run_explain),
         Command("export", "export a model ahead of time to a package directory",
                 _export_arguments, _run_export),

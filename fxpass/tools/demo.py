@@ -1,9 +1,10 @@
-"""``fxpass demo``: a stock transformers Qwen3 compiled with backend="fxpass_bpu".
+"""``fxpass demo``: a stock transformers Qwen3 compiled with ``backend=f"fxpass_{device}"``.
 
 Builds the model from a small config with random weights (no download), compiles it with
-``torch.compile(model, backend="fxpass_bpu", dynamic=False)`` (no fxpass import needed: the
-backend is an entry point), checks the logits against eager, prints the partition report and
-the speedup over eager (medians, measured side by side).
+``torch.compile(model, backend=f"fxpass_{device}", dynamic=False)`` (no fxpass import needed:
+the backend is an entry point), checks the logits against eager, prints the partition report
+and the speedup over eager (medians, measured side by side). The device is the one the plugin
+that owns the command passes in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from fxpass.backends.onnx.host.ort import settle
+from fxpass.plugins import get_device
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -45,25 +46,29 @@ def _qwen3(args: argparse.Namespace, **kw: object) -> tuple[torch.nn.Module, dic
     )
 
 
-def main(args: argparse.Namespace) -> int:
-    """``fxpass demo``: a one-line error, not a traceback, where transformers is missing (the
-    demo's model is a transformers Qwen3; a plain install has the backend but not it)."""
+def main(args: argparse.Namespace, device: str) -> int:
+    """``fxpass demo`` on installed device ``device``: a one-line error, not a traceback, where
+    transformers is missing (the demo's model is a transformers Qwen3; a plain install has the
+    backend but not it)."""
     from fxpass.tools.zoo import MissingExtra
 
     try:
         if getattr(args, "export", False):
-            return export_demo(args)
+            return export_demo(args, device)
         if getattr(args, "generate", False):
-            return generate_demo(args)
-        return compile_demo(args)
+            return generate_demo(args, device)
+        return compile_demo(args, device)
     except MissingExtra as e:
         print(f"fxpass demo: {e}", file=sys.stderr)
         return 2
 
 
-def compile_demo(args: argparse.Namespace) -> int:
-    """``fxpass demo``: torch.compile with backend="fxpass_bpu", checked against eager."""
+def compile_demo(args: argparse.Namespace, device: str) -> int:
+    """``fxpass demo``: torch.compile with ``backend=f"fxpass_{device}"``, checked against
+    eager."""
     import fxpass
+
+    backend = f"fxpass_{device}"
 
     model, kwargs = _qwen3(args, dtype=getattr(torch, args.dtype))
     print(
@@ -74,10 +79,11 @@ def compile_demo(args: argparse.Namespace) -> int:
     with torch.no_grad():
         expected = model(**kwargs).logits
         t = time.perf_counter()
-        compiled = torch.compile(model, backend="fxpass_bpu", dynamic=False)
+        compiled = torch.compile(model, backend=backend, dynamic=False)
         got = compiled(**kwargs).logits
         first = time.perf_counter() - t
-        settle()  # timed below at steady state: tiered regions on their prepacked sessions
+        # timed below at steady state: tiered regions on their prepacked sessions
+        get_device(device).settle()
         report = fxpass.compile_reports()[-1]
         print(report)
         err = (got.float() - expected.float()).abs().max().item()
@@ -101,16 +107,16 @@ def compile_demo(args: argparse.Namespace) -> int:
             ours_ms.append(_median_ms(lambda: compiled(**kwargs), 5))
         e, o = statistics.median(eager_ms), statistics.median(ours_ms)
     print(
-        f"first call (compile) {first:.2f}s; latency eager {e:.2f} ms, fxpass_bpu {o:.2f} ms "
+        f"first call (compile) {first:.2f}s; latency eager {e:.2f} ms, {backend} {o:.2f} ms "
         f"(median of 25): speedup {e / o:.2f}x"
     )
     return 0 if ok else 1
 
 
-def generate_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
+def generate_demo(args: argparse.Namespace, device: str, new_tokens: int = 32) -> int:
     """``fxpass demo --generate``: greedy generate() with a static cache, tokens/s vs eager."""
     import fxpass
-    from fxpass.backends.bpu import compile_for_generate
+    from fxpass.hf.generation import compile_for_generate
 
     model, kwargs = _qwen3(args)
     ids = kwargs["input_ids"]
@@ -126,11 +132,11 @@ def generate_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
     )
     expected = gen(eager, new_tokens, cache_implementation="static")
     before = len(fxpass.compile_reports())
-    compile_for_generate(model, max_cache_len=args.tokens + new_tokens + 1)
+    compile_for_generate(model, max_cache_len=args.tokens + new_tokens + 1, device=device)
     t = time.perf_counter()
     got = gen(model, new_tokens)
     first = time.perf_counter() - t
-    settle()
+    get_device(device).settle()
     reports = fxpass.compile_reports()[before:]
     for r in reports:
         print(r)
@@ -148,19 +154,20 @@ def generate_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
     e, o = statistics.median(e_ms), statistics.median(o_ms)
     print(
         f"first generate() {first:.2f}s; decode eager {e:.2f} ms/token ({1e3 / e:.0f} tokens/s), "
-        f"fxpass_bpu {o:.2f} ms/token ({1e3 / o:.0f} tokens/s): {e / o:.2f}x"
+        f"fxpass_{device} {o:.2f} ms/token ({1e3 / o:.0f} tokens/s): {e / o:.2f}x"
     )
     return 0 if ok else 1
 
 
-def export_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
+def export_demo(args: argparse.Namespace, device: str, new_tokens: int = 32) -> int:
     """``fxpass demo --export``: export_for_generate, save, load in a fresh process and
     generate there; then decode speed of the loaded package against eager, side by side."""
     import json
     import subprocess
     import tempfile
 
-    from fxpass.backends.bpu import export_for_generate, load
+    from fxpass.aot.export import export_for_generate
+    from fxpass.aot.package import load
 
     model, kwargs = _qwen3(args)
     ids = kwargs["input_ids"]
@@ -171,7 +178,7 @@ def export_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
                                   do_sample=False, cache_implementation="static")
     t = time.perf_counter()
     program = export_for_generate(model, max_cache_len=args.tokens + new_tokens + 1,
-                                  prefill_length=min(args.tokens, 32))
+                                  prefill_length=min(args.tokens, 32), device=device)
     exported = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as tmp:
         path = program.save(f"{tmp}/qwen3")
@@ -183,7 +190,7 @@ def export_demo(args: argparse.Namespace, new_tokens: int = 32) -> int:
         child = (
             "import json, sys, time, torch\n"
             "t0 = time.perf_counter()\n"
-            "from fxpass.backends.bpu import load\n"
+            "from fxpass.aot.package import load\n"
             "r = load(sys.argv[1])\n"
             "out = r.generate(torch.load(sys.argv[2]), max_new_tokens=int(sys.argv[3]))\n"
             "print(json.dumps({'s': time.perf_counter() - t0, 'tokens': out.tolist()}))\n"

@@ -3,11 +3,14 @@ ahead-of-time workflow from a shell.
 
 ``export`` builds the model (a built-in name such as ``bert``, or ``path/to/file.py:factory``
 returning ``(model, args)``, ``(model, kwargs)`` or ``(model, args, kwargs)``; with
-``--generate`` too, though the inputs are then unused), exports it through the BPU pipeline
-and writes the package, printing each stage with its time (a large model's region compile
+``--generate`` too, though the inputs are then unused), exports it through the pipeline of
+the device ``--device`` names (with the device options the plugin that owns the command hands
+in) and writes the package, printing each stage with its time (a large model's region compile
 takes a while). ``run`` loads a package in this process, feeds it inputs (a ``torch.save``
 file of ``(args, kwargs)``, or random ones of the exported specs) and prints the outputs'
 shapes and the load and call times. ``generate`` loads a generation package and generates.
+A package runs on the device it was exported for; ``--device`` there, when given, refuses a
+package made for another.
 
 A user's mistake (a bad inputs file, inputs of the wrong shape, a prompt past the cache) is one
 line ``fxpass VERB: what is wrong and the fix`` with exit status 2, never a traceback: the
@@ -33,19 +36,27 @@ def _progress(start: float) -> Any:
     return say
 
 
-def export_main(args: argparse.Namespace) -> int:
-    """``fxpass export``: stages with their times on stderr as they start, a program left
-    without a region as one warning line naming ``--min-compute-macs``, the reports and the
-    package's size on stdout."""
+def export_main(args: argparse.Namespace, options: dict[str, Any] | None = None) -> int:
+    """``fxpass export``: for device ``args.device`` with ``options`` (the device's own, from
+    the plugin that owns the command); stages with their times on stderr as they start, a
+    program left without a region as one warning line naming ``--min-compute-macs``, the
+    reports and the package's size on stdout. A bad option is one line, exit status 2."""
+    from fxpass import device as devices
     from fxpass.aot.export import ExportError, NoRegionWarning, export
+    from fxpass.jit.options import from_options
     from fxpass.tools.explain import load_inputs
 
+    options = dict(options or {})
+    if args.min_compute_macs is not None:
+        options["min_compute_macs"] = args.min_compute_macs
+    try:  # before the model is built: a device or option refused costs nothing
+        from_options(options, args.device)
+    except (devices.DeviceError, TypeError, ValueError) as e:
+        print(f"fxpass export: {e}", file=sys.stderr)
+        return 2
     say = _progress(time.perf_counter())
     say(f"building {args.model}")
     model, margs, kwargs = load_inputs(args.model)
-    options: dict[str, Any] = {"march": args.march}
-    if args.min_compute_macs is not None:
-        options["min_compute_macs"] = args.min_compute_macs
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NoRegionWarning)
@@ -55,9 +66,10 @@ def export_main(args: argparse.Namespace) -> int:
                 program = export_for_generate(
                     model, max_cache_len=args.max_cache_len,
                     prefill_length=args.prefill_length, batch_size=args.batch_size,
-                    options=options, progress=say)
+                    options=options, progress=say, device=args.device)
             else:
-                program = export(model, margs, kwargs, options=options, progress=say)
+                program = export(model, margs, kwargs, options=options, progress=say,
+                                 device=args.device)
     except ExportError as e:
         print(f"fxpass export: {e}", file=sys.stderr)
         return 2
@@ -85,11 +97,19 @@ def _reissue(caught: list[warnings.WarningMessage], one_line: type[Warning]) -> 
             warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
-def _load(path: str, verb: str) -> Any:
-    """The package at ``path``, or None after printing why it is refused."""
-    from fxpass.aot.package import PackageError, load
+def _load(path: str, verb: str, device: str | None = None) -> Any:
+    """The package at ``path``, or None after printing why it is refused: ``device``, when
+    given, must be the device the package records (a package made for another is refused
+    before anything of it opens)."""
+    from fxpass.aot.package import PackageError, load, read_manifest
 
     try:
+        if device is not None:
+            made_for = read_manifest(path).get("device")  # its name
+            if made_for is not None and made_for != device:  # None: load says why
+                raise PackageError(f"{path} was exported for device {made_for!r}, not "
+                                   f"{device!r}; run it with --device {made_for}, or export "
+                                   f"it again with --device {device}")
         return load(path)
     except PackageError as e:
         print(f"fxpass {verb}: {e}", file=sys.stderr)
@@ -115,7 +135,7 @@ def generate_main(args: argparse.Namespace) -> int:
     """``fxpass generate``: the new tokens on stdout; load time, the warm first token and
     decode ms/token on stderr, timed on a second run of the user's own request."""
     t0 = time.perf_counter()
-    runner = _load(args.package, "generate")
+    runner = _load(args.package, "generate", getattr(args, "device", None))
     if runner is None:
         return 2
     if not hasattr(runner, "generate"):
@@ -194,7 +214,7 @@ def run_main(args: argparse.Namespace) -> int:
     import torch.utils._pytree as pytree
 
     t0 = time.perf_counter()
-    program = _load(args.package, "run")
+    program = _load(args.package, "run", getattr(args, "device", None))
     if program is None:
         return 2
     if "main" not in getattr(program, "programs", {}):

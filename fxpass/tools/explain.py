@@ -1,10 +1,12 @@
-"""``fxpass explain MODEL``: the pipeline up to partitioning, explained.
+"""``fxpass explain MODEL [--device NAME]``: the pipeline up to partitioning, explained.
 
-Prints the rewrites per rule, each region (nodes, MACs, boundary tensors), the offloaded
-share, and every node left on the CPU grouped by reason. ``--json`` for tools, ``--svg FILE``
-to draw the graph with regions coloured. ``--quantize [CONFIG]`` also compiles the regions,
-calibrates them on the model's example input and shows, per region, where Q/DQ went, what
-stayed float and the accuracy against the float region. MODEL is a built-in name
+For an installed device (its rule target, its capability and its smallest region; options
+as ``torch.compile`` takes them), prints the rewrites per rule, each region (nodes, MACs,
+boundary tensors), the offloaded share, and every node left on the CPU grouped by reason.
+``--json`` for tools, ``--svg FILE`` to draw the graph with regions coloured.
+``--quantize [CONFIG]`` also compiles the regions, calibrates them on the model's example
+input (with the calibration the device's plugin hands in) and shows, per region, where Q/DQ
+went, what stayed float and the accuracy against the float region. MODEL is a built-in name
 (``fxpass.tools.zoo``: qwen3-tiny, llama, gpt2, bert, vit, ...) or
 ``path/to/file.py:factory`` where ``factory()`` returns ``(model, kwargs)``,
 ``(model, args_tuple)``, or ``(model, args_tuple, kwargs)``.
@@ -19,9 +21,15 @@ import json
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+#: a device plugin's calibration: ``calibrate(fn, batches)`` runs ``fn(args, kwargs)`` per batch
+#: and returns each quantized region's report (``region``, ``config``, ``state``, ``cosine``,
+#: ``max_abs_error``, ``summary``)
+Calibrate = Callable[[Callable[[tuple, dict], Any], list[tuple[tuple, dict]]], Iterable[Any]]
 
 FACTORY_SHAPES = (
     "(model, kwargs_dict), (model, args_tuple) or (model, args_tuple, kwargs_dict), with "
@@ -93,38 +101,66 @@ def load_model(spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, kw
 
 
+class ExplainError(ValueError):
+    """A device that is not installed, or an option it or the framework refuses: the CLI
+    prints it as one line ``fxpass explain: ...``, exit status 2."""
+
+
 def explain(
     spec: str,
-    march_name: str = "nash-p",
-    min_compute_macs: int | None = None,
+    device: str,
+    options: dict[str, Any] | None = None,
+    *,
     progress: bool = True,
     quantize: str | None = None,
+    calibrate: Calibrate | None = None,
 ) -> dict[str, Any]:
+    """Rewrites, regions and CPU-left nodes of model ``spec`` on installed device ``device``
+    with ``options`` (the framework's and the device's, as ``torch.compile`` takes them).
+    ``quantize``: also compile with ``options["quantize"]`` and calibrate on the example input
+    with ``calibrate(fn, batches)`` (the device plugin's calibration; required then). A bad
+    option or an unknown device is an :class:`ExplainError` naming it."""
     from fxpass import PassManager, select_rules
     from fxpass import capture_graphs as capture
-    from fxpass.backends.bpu.capability import Capability, march
-    from fxpass.jit.backend import DEFAULT_MIN_MACS
+    from fxpass import device as devices
+    from fxpass.jit.backend import checked_capability, min_region_macs
+    from fxpass.jit.options import from_options
     from fxpass.partition.cost import macs
     from fxpass.partition.partition import partition
     from fxpass.partition.region import extract
+    from fxpass.plugins import get_device
 
     def step(msg: str) -> None:
         if progress:
             print(f"[fxpass explain] {msg}...", file=sys.stderr, flush=True)
 
+    try:
+        dev = get_device(device)
+        # the explain run itself needs no artifact cache: it compiles nothing
+        opts = from_options({**(options or {}), "cache": False}, dev)
+        if quantize:  # a device without the option, or a bad config, fails before the run
+            from_options({**(options or {}), "cache": False, "quantize": quantize}, dev)
+    except (devices.DeviceError, TypeError, ValueError) as e:
+        raise ExplainError(str(e)) from None
+    if quantize and calibrate is None:
+        raise ExplainError(f"device {dev.name} gives explain no calibration; explain it "
+                           "without --quantize")
     step(f"building {spec}")
     model, args, kw = load_inputs(spec)
     step("capturing the aten graph (Dynamo + AOTAutograd)")
     graphs = capture(model, *args, **kw)
-    out: dict[str, Any] = {"model": spec, "march": march_name, "graphs": []}
-    m = march(march_name)
-    threshold = DEFAULT_MIN_MACS["onnxruntime"] if min_compute_macs is None else min_compute_macs
+    # what the reports show as the graph's target: a device option named march, else the name
+    march = getattr(opts.dev, "march", dev.name)
+    out: dict[str, Any] = {"model": spec, "device": dev.name, "march": march, "graphs": []}
+    threshold = min_region_macs(opts)
+    rules = select_rules(target=dev.target, enable=opts.enable, disable=opts.disable,
+                         only=opts.only)
     for gi, c in enumerate(graphs):
         gm = c.gm
         step(f"graph {gi}: rewriting {len(gm.graph.nodes)} nodes to fixpoint")
-        rep = PassManager(select_rules(target="bpu")).run(gm)
+        rep = PassManager(rules, check=opts.check).run(gm)
         step(f"graph {gi}: partitioning")
-        part = partition(gm, Capability(m), min_compute_macs=threshold)
+        part = partition(gm, checked_capability(dev, opts), min_compute_macs=threshold)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         total = sum(macs(n) for n in calls)
         regions = []
@@ -162,27 +198,24 @@ def explain(
             }
         )
     if quantize:
+        assert calibrate is not None  # checked above, before the model was built
         step(f"quantizing regions ({quantize}) and calibrating on the example input")
-        out["quantize"] = quantize_regions(model, args, kw, quantize, march_name, threshold)
+        out["quantize"] = quantize_regions(model, args, kw, quantize, dev.name,
+                                           {**(options or {}), "min_compute_macs": threshold},
+                                           calibrate)
         out["quantize_config"] = quantize
     return out
 
 
 def quantize_regions(
-    model: Any, args: tuple, kw: dict[str, Any], config: str, march_name: str, min_macs: int
+    model: Any, args: tuple, kw: dict[str, Any], config: str, device: str,
+    options: dict[str, Any], calibrate: Calibrate,
 ) -> list[dict[str, Any]]:
-    """Compile with ``quantize=config``, calibrate on the example input, and return per region
-    where Q/DQ went, what stayed float and the accuracy against the float region."""
-    from fxpass.backends.onnx.calibration import calibrate
-
-    opts = {
-        "quantize": config,
-        "march": march_name,
-        "min_compute_macs": min_macs,
-        "executor": "onnxruntime",
-        "cache": False,
-    }
-    fn = torch.compile(model, backend="fxpass_bpu", dynamic=False, options=opts)
+    """Compile for ``device`` with ``options`` and ``quantize=config``, calibrate on the
+    example input with ``calibrate``, and return per region where Q/DQ went, what stayed float
+    and the accuracy against the float region."""
+    opts = {**options, "quantize": config, "cache": False}
+    fn = torch.compile(model, backend=f"fxpass_{device}", dynamic=False, options=opts)
     out = []
     for i in calibrate(lambda a, k: fn(*a, **k), [(args, kw)]):
         s = i.summary
@@ -232,7 +265,8 @@ def _desc(n: Any) -> str:
 
 
 def render(info: dict[str, Any]) -> str:
-    lines = [f"{info['model']} on {info['march']}: {len(info['graphs'])} graph(s)"]
+    where = info["device"] + (f" ({info['march']})" if info["march"] != info["device"] else "")
+    lines = [f"{info['model']} on {where}: {len(info['graphs'])} graph(s)"]
     for gi, g in enumerate(info["graphs"]):
         share_n = g["offloaded_nodes"] / max(1, g["call_nodes"])
         share_m = g["offloaded_macs"] / max(1, g["macs"])
@@ -302,14 +336,26 @@ def svg(info: dict[str, Any], path: str) -> None:
         f.write("\n".join(out))
 
 
-def main(args: argparse.Namespace) -> int:
-    info = explain(
-        args.model,
-        args.march,
-        args.min_compute_macs,
-        progress=not args.json,
-        quantize=getattr(args, "quantize", None),
-    )
+def main(args: argparse.Namespace, options: dict[str, Any] | None = None,
+         calibrate: Calibrate | None = None) -> int:
+    """``fxpass explain``: ``args.device`` names the device; ``options`` are the device's own,
+    from the plugin that owns the command (``--march``); ``calibrate`` its calibration for
+    ``--quantize``."""
+    opts = dict(options or {})
+    if args.min_compute_macs is not None:
+        opts["min_compute_macs"] = args.min_compute_macs
+    try:
+        info = explain(
+            args.model,
+            args.device,
+            opts,
+            progress=not args.json,
+            quantize=getattr(args, "quantize", None),
+            calibrate=calibrate,
+        )
+    except ExplainError as e:
+        print(f"fxpass explain: {e}", file=sys.stderr)
+        return 2
     if args.svg:
         svg(info, args.svg)
     public = {

@@ -3,9 +3,9 @@
 Each entry builds a real ``transformers`` model class from a small config, or a plain torch
 module, and example inputs. ``get(name, **overrides)`` returns ``(model, kwargs)``.
 
-It lives in the BPU plugin, not in the core: the plugin's ``demo`` and ``explain`` commands
-name these models, and the tests and benchmarks use them; the rewrite framework itself never
-builds a model (and must not need ``transformers``).
+It is a tool beside the core, not part of it: the CLI's ``demo``, ``explain`` and ``export``
+commands name these models, and the tests and benchmarks use them; the rewrite framework
+itself never builds a model (and must not need ``transformers``).
 """
 
 from __future__ import annotations

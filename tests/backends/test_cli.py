@@ -43,6 +43,9 @@ def test_explain_user_factory(capsys, tmp_path):
     assert main(["explain", f"{f}:make"]) == 0
     out = capsys.readouterr().out
     assert "1 region(s)" in out and "region 0:" in out
+    assert main(["explain", f"{f}:make", "--device", "ort"]) == 0  # another device's rules
+    out = capsys.readouterr().out  # and capability
+    assert out.startswith(f"{f}:make on ort: 1 graph(s)") and "1 region(s)" in out
 
 
 def test_bad_arguments_are_usage_errors_not_tracebacks(capsys, tmp_path):
@@ -92,3 +95,10 @@ def test_a_builtin_hf_model_without_transformers_names_the_extra(monkeypatch, tm
                        r'transformers is not installed; install it with pip install '
                        r'"fxpass\[demo\]"$'):
         main(argv)
+
+
+def test_rules_lists_the_installed_devices(capsys):
+    assert main(["rules"]) == 0
+    out = capsys.readouterr().out
+    assert "device bpu (plugin=fxpass:bpu): backend fxpass_bpu, target bpu" in out
+    assert "device ort (plugin=fxpass:ort)" in out and "march" not in out.split("device ort")[1]

@@ -147,3 +147,20 @@ def test_export_with_a_region_does_not_warn(mlp_package, factory, tmp_path, caps
                  "--min-compute-macs", "0"]) == 0
     res = capsys.readouterr()
     assert "1 region(s)" in res.out and "warning" not in res.err
+
+
+def test_export_and_run_take_the_device(mlp_package, factory, tmp_path, capsys):
+    """--device: the ort device exports and runs its own package; a package made for another
+    device, or a BPU flag on another device, is one line naming both and the fix."""
+    out = tmp_path / "ort"
+    assert main(["export", f"{factory}:mlp", str(out), "--device", "ort",
+                 "--min-compute-macs", "0"]) == 0
+    assert "fxpass_ort graph" in capsys.readouterr().out
+    assert main(["run", str(out), "--device", "ort", "--repeat", "1"]) == 0
+    assert "output 0: torch.float32[4, 16]" in capsys.readouterr().out
+    assert main(["run", str(mlp_package), "--device", "ort"]) == 2
+    err = _one_line_error(capsys, "run")
+    assert "exported for device 'bpu', not 'ort'" in err and "--device bpu" in err
+    assert main(["export", f"{factory}:mlp", str(tmp_path / "x"), "--device", "ort",
+                 "--march", "nash-p"]) == 2
+    assert "device 'ort' has no march" in _one_line_error(capsys, "export")

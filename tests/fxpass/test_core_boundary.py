@@ -28,10 +28,6 @@ REMAINING = {
     "fxpass/jit/options.py: fxpass.backends.onnx.quantize",
     "fxpass/jit/plan.py: fxpass.backends.onnx.host.entry",
     "fxpass/jit/runtime.py: fxpass.backends.onnx.lowering.driver",
-    "fxpass/tools/demo.py: fxpass.backends.bpu",
-    "fxpass/tools/demo.py: fxpass.backends.onnx.host.ort",
-    "fxpass/tools/explain.py: fxpass.backends.bpu.capability",
-    "fxpass/tools/explain.py: fxpass.backends.onnx.calibration",
 }
 
 
