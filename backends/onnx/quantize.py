@@ -47,6 +47,9 @@ INTEGER_INPUT_OPS: dict[str, tuple[str, ...]] = {
     "nash-h": TENSOR_ENGINE,
     "nash-e": (*TENSOR_ENGINE, "Add", "Sub", "Mul"),
     "nash-m": (*TENSOR_ENGINE, "Add", "Sub", "Mul"),
+    #: the ``ort`` device: onnxruntime's integer kernels are its MAC ops (MatMulInteger,
+    #: QLinearConv, fused from QDQ); everything else stays float
+    "host": TENSOR_ENGINE,
 }
 #: Ops that must stay float whatever the march (precision, not placement): shown by explain.
 MUST_STAY_FLOAT = (

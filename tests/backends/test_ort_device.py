@@ -1,0 +1,41 @@
+"""The ``ort`` device as a product of its own: what it shares with the BPU's host stand-in and
+what is its own (no march, every op the ONNX lowering emits, Q/DQ on its MAC ops)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxpass
+from fxpass.backends.onnx.calibration import calibrate
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 64)).eval()
+
+
+def test_ort_compiles_with_its_own_options_and_report(opts):
+    m, x = _mlp(), torch.randn(8, 256)
+    with torch.no_grad():
+        got = torch.compile(m, backend="fxpass_ort", options={**opts, "threads": 1})(x)
+    torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)  # float32
+    rep = fxpass.compile_reports()[-1]
+    assert rep.device == "ort" and rep.executor == "onnxruntime" and len(rep.regions) == 1
+    with pytest.raises(Exception, match="unknown option.*'march'"):
+        torch.compile(m, backend="fxpass_ort", options={"march": "nash-p"})(x)
+
+
+def test_ort_quantizes_its_mac_ops_after_calibration(opts):
+    m, xs = _mlp(), [torch.randn(8, 256) for _ in range(4)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = torch.compile(m, backend="fxpass_ort", options={**opts, "quantize": "w8a8"})
+        c(xs[0])
+        calibrate(c, [(x,) for x in xs])
+        got, want = c(xs[0]), m(xs[0])
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.999, cos  # int8 weights and activations against float32
+    assert not torch.equal(got, want)  # it did quantize
