@@ -9,14 +9,15 @@ not copied. The board needs integer MAC inputs, so its regions are always quanti
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch.fx import Node
 
 from fxpass.backends.bpu.marches import DEFAULT_MARCH
-from fxpass.backends.ort import OrtDevice, OrtOptions
-from fxpass.device import Artifact, Context, Device, Region
+from fxpass.backends.ort import OrtDevice, OrtOptions, quantized
+from fxpass.device import Artifact, Context, Device, Files, Region
 
 #: executors: ``auto`` is the board when hbdk4 and its runtime import, else the host
 EXECUTORS = ("auto", "hbdnn", "onnxruntime")
@@ -145,6 +146,45 @@ class BpuDevice(Device):
 
     def settle(self) -> None:
         self.host_device.settle()
+
+    # -- package: a board region is its .hbm; a host region is the ort device's ----------
+    def save(self, region: Region, artifact: Artifact, files: Files, weights: Any) -> dict:
+        if artifact.data is None and getattr(artifact.executor, "kind", "") == "hbdnn":
+            active, fields = quantized(region, artifact)  # a BoardArtifact: the hbm, compiled
+            name = f"region_{region.name}.hbm"
+            files.path(name).write_bytes(active.hbm)
+            return {"executor": "hbdnn", "model": name, "march": fields["quantize"]["march"],
+                    **fields}
+        return self.host_device.save(region, artifact, files, weights)
+
+    def can_open(self, entry: dict[str, Any]) -> str | None:
+        import importlib.util
+
+        from fxpass.backends.bpu.marches import CORES
+
+        m, ex = entry.get("march", DEFAULT_MARCH), entry.get("executor")
+        if m not in CORES:
+            return f"march {m!r} is not one this fxpass knows ({sorted(CORES)})"
+        # board.has_board()'s test, without importing the board module (onnx, 75 ms of a load)
+        if ex == "hbdnn" and importlib.util.find_spec("hbm_runtime") is None:
+            return (f"its regions are .hbm for the BPU ({m}), which only the board runtime "
+                    "(`hbm_runtime`, on the RDK board image) runs: load the package on the "
+                    "board, or export with executor='onnxruntime' for a host")
+        if ex not in EXECUTORS[1:]:
+            return (f"executor {ex!r} is not one this fxpass runs ('onnxruntime' on a host, "
+                    "'hbdnn' on the board)")
+        return None if ex == "hbdnn" else self.host_device.can_open(entry)
+
+    def open(self, entry: dict[str, Any], files: Files) -> Any:
+        if entry["executor"] != "hbdnn":
+            return self.host_device.open(entry, files)
+        from fxpass.backends.bpu.board import HbmExecutor
+
+        with _BOARD_OPEN:  # the framework opens regions on threads; the board's one at a time
+            return HbmExecutor(str(files.path(entry["model"])), entry["input_names"])
+
+
+_BOARD_OPEN = threading.Lock()
 
 
 DEVICE = BpuDevice()

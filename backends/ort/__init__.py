@@ -15,8 +15,7 @@ from typing import Any, ClassVar
 
 from torch.fx import Node
 
-from fxpass.device import Artifact, Context, Device, Files, Region
-from fxpass.jit.options import check_threads
+from fxpass.device import Artifact, Context, Device, DeviceError, Files, Region, check_threads
 
 QUANTIZE_HELP = (
     "quantize regions: 'w8a16' (int8 per-channel weights, int16 activations), 'w8a8', "
@@ -116,6 +115,31 @@ class OrtDevice(Device):
         return cached_ort(ctx.cache, region.key, region.input_names, o.threads, weights,
                           o.tiered)
 
+    def save(self, region: Region, artifact: Artifact, files: Files, weights: Any) -> dict:
+        """``region_<name>.onnx``: a float region's model with its weights external data in
+        the package's weights file (each stored once across regions and programs); a
+        quantized region's calibrated QDQ model, weights inside, and its ``quantize`` record."""
+        name = f"region_{region.name}.onnx"
+        if artifact.data is None:  # quantizing: its artifact exists once calibrated
+            active, fields = quantized(region, artifact)
+            files.path(name).write_bytes(active.source)
+            return {"executor": "onnxruntime", "model": name, **fields}
+        from fxpass.backends.onnx.lowering.driver import point_external
+
+        proto, arrays = artifact.data
+        layout = {w: weights.add(array(), "onnx") for w, (_, _, array) in arrays.items()}
+        model = type(proto)()
+        model.CopyFrom(proto)
+        point_external(model, arrays, layout, weights.name)
+        files.path(name).write_bytes(model.SerializeToString())
+        return {"executor": "onnxruntime", "model": name}
+
+    def can_open(self, entry: dict[str, Any]) -> str | None:
+        if entry.get("executor", "onnxruntime") != "onnxruntime" or "model" not in entry:
+            return (f"entry {entry.get('executor')!r} ({entry.get('model')}) is not an "
+                    f"onnxruntime model, which is all device {self.name!r} runs")
+        return None
+
     def open(self, entry: dict[str, Any], files: Files) -> Any:
         from fxpass.backends.onnx.host.ort import OrtExecutor
 
@@ -143,6 +167,20 @@ def _versions() -> tuple[tuple[str, str], ...]:
     return tuple(v.items())
 
 
+def quantized(region: Region, artifact: Artifact) -> tuple[Any, dict[str, Any]]:
+    """A calibrated region's artifact (the executor it runs) and its ``quantize`` record; a
+    ``DeviceError`` for one never calibrated (a package holds no float stand-in for it)."""
+    q = artifact.executor
+    if getattr(q, "active", None) is None or q.active is q.float:
+        raise DeviceError(
+            f"region {region.name} is not calibrated, and a package holds no float stand-in "
+            "for a quantized region: export with calibration=[...] (export() does this itself)")
+    i = q.info
+    return q.active, {"quantize": {
+        "config": i.config, "march": i.march, "batches": i.batches, "cosine": i.cosine,
+        "max_abs_error": i.max_abs_error, "ranges_digest": i.ranges_digest}}
+
+
 DEVICE = OrtDevice()
 
 
@@ -156,4 +194,4 @@ def fxpass_targets() -> list[Any]:
     return [Target(name="ort", description="onnxruntime on the host CPU")]
 
 
-__all__ = ["DEVICE", "OrtDevice", "OrtOptions"]
+__all__ = ["DEVICE", "OrtDevice", "OrtOptions", "quantized"]

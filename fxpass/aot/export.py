@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fxpass import device as devices
 from fxpass._capture import SOURCE, mutated_inputs
 from fxpass.aot.runtime import ExportError, inplace, open_region, threads
 from fxpass.graph import FROZEN, FROZEN_BUFFER
@@ -80,10 +81,10 @@ def _warn_if_no_region(what: str, report: Any, opts: Options) -> None:
     small = [d for d in report.dropped if "min_compute_macs" in d]
     if not small:
         return
-    from fxpass.jit.backend import DEFAULT_MIN_MACS
+    from fxpass.jit.backend import min_region_macs
 
     if opts.min_compute_macs is None:
-        threshold = (f"min_compute_macs={DEFAULT_MIN_MACS[report.executor]:,} (the default "
+        threshold = (f"min_compute_macs={min_region_macs(opts):,} (the default "
                      f"for the {report.executor} executor)")
     else:
         threshold = f"min_compute_macs={opts.min_compute_macs:,}"
@@ -107,16 +108,17 @@ def _cia_table() -> dict[Any, Callable]:
 
 @dataclass
 class RegionArtifact:
-    """One compiled region as a package stores it."""
+    """One compiled region as a package stores it: the device's ``Artifact`` (``artifact``)
+    for its ``save``, with the region (``region``, a ``fxpass.device.Region``)."""
 
     name: str
     key: str
-    model: Any  # onnx.ModelProto without weight data (a float region)
-    weights: Any  # lowering.driver.Weights
     input_names: list[str]
     inputs: list[tuple[tuple[int, ...], torch.dtype]]
     outputs: list[tuple[tuple[int, ...], torch.dtype]]
-    #: a quantized region: its ``QuantizingExecutor``, whose artifact exists once calibrated
+    artifact: Any = None
+    region: Any = None
+    #: a region whose artifact exists once calibrated (no ``data`` yet): its executor
     quantizing: Any = None
 
 
@@ -175,11 +177,11 @@ def lower(
         if not isinstance(mod, RegionCall):
             continue
         c = mod.compiled
+        key, names = c.key[:32], list(c.executor.input_names)
         art = RegionArtifact(
-            name=mod.name, key=c.key[:32], model=c.artifact[0] if c.artifact else None,
-            weights=c.artifact[1] if c.artifact else None,
-            quantizing=None if c.artifact else c.executor,
-            input_names=list(c.executor.input_names),
+            name=mod.name, key=key, input_names=names, artifact=c,
+            region=devices.Region(mod._eager(), mod.name, key, names),
+            quantizing=None if c.data else c.executor,
             inputs=[(tuple(s), d) for s, d in mod.expected],
             outputs=[(tuple(s), _out_dtype(mod, i)) for i, s in enumerate(mod.out_shapes)],
         )
@@ -331,9 +333,11 @@ class Program:
         return save({"main": self.lowered}, self.options, path, progress=reporter(progress))
 
 
-def export_options(options: dict[str, Any] | None) -> Options:
+def export_options(options: dict[str, Any] | None, device: Any = None) -> Options:
     """The backend's options, validated, for a program that must stand alone."""
-    return from_options(options).replace(cache=False, tiered=False, exporting=True)
+    opts = from_options(options, device)
+    return opts.replace(cache=False, exporting=True, **(
+        {"tiered": False} if "tiered" in opts.get_device().option_names() else {}))
 
 
 def export(
@@ -344,9 +348,11 @@ def export(
     options: dict[str, Any] | None = None,
     calibration: Sequence[Any] | None = None,
     progress: Progress | None = None,
+    device: Any = None,
 ) -> Program:
-    """Export ``model(*args, **kwargs)`` through the BPU pipeline, ahead of time.
+    """Export ``model(*args, **kwargs)`` through ``device``'s pipeline, ahead of time.
 
+    ``device`` names an installed device (``"ort"``, ``"bpu"``; or ``options["device"]``).
     ``options`` are the backend's (``torch.compile(..., options=...)``); the artifact cache and
     tiered sessions do not apply (a package holds every region's model itself). Shapes are
     those of ``args``/``kwargs``: the program refuses other shapes with a clear error.
@@ -358,10 +364,10 @@ def export(
     """
     from fxpass.aot import quantized
 
-    opts = export_options(options)
+    opts = export_options(options, device)
     batches = quantized.check_calibration(opts, calibration, "export()")
     if batches is not None:
-        _check_like(batches, tuple(args), dict(kwargs or {}))
+        quantized.check_like(batches, tuple(args), dict(kwargs or {}))
     say = reporter(progress)
     was_training = model.training
     model.eval()
@@ -380,18 +386,6 @@ def export(
 
         quantized.calibrate([low], lambda b: _call(program, b), batches, say)
     return program
-
-
-def _check_like(batches: list[Any], args: tuple, kwargs: dict[str, Any]) -> None:
-    """Calibration batches shaped like the exported call, else a clear error."""
-    from fxpass.backends.onnx.calibration import _shape_of, call_args, check_batches
-
-    check_batches(batches)
-    call = call_args(batches[0])
-    if _shape_of(call) != _shape_of((args, kwargs)):
-        raise ExportError(
-            f"calibration batches are {_shape_of(call)}, the model is exported for "
-            f"{_shape_of((args, kwargs))}: calibrate with inputs of the exported shapes")
 
 
 @dataclass
@@ -422,10 +416,11 @@ def export_for_generate(
     calibration: Sequence[torch.Tensor] | None = None,
     calibration_tokens: int = 16,
     progress: Progress | None = None,
+    device: Any = None,
 ) -> GenerateProgram:
     """Export a decoder-only HF model for generation: transformers' own static-cache module
     (``TorchExportableModuleWithStaticCache``: the cache as buffers it writes in place),
-    exported twice through the BPU pipeline: ``prefill`` takes ``prefill_length`` tokens,
+    exported twice through the device's pipeline: ``prefill`` takes ``prefill_length`` tokens,
     ``decode`` one. Both read and write the same cache (state shared by name in the package).
     Quantized regions need ``calibration``: prompts (``(batch_size, tokens)`` id tensors),
     each generated ``calibration_tokens`` tokens greedily, so prefill and decode regions
@@ -448,7 +443,7 @@ def export_for_generate(
     if prefill_length > max_cache_len:
         raise ExportError(f"export_for_generate: prefill_length {prefill_length} is longer than "
                           f"the cache ({max_cache_len}); choose prefill_length <= max_cache_len")
-    opts = export_options(options)
+    opts = export_options(options, device)
     prompts = quantized.check_calibration(opts, calibration, "export_for_generate()")
     say = reporter(progress)
     gc = model.generation_config

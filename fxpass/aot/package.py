@@ -2,36 +2,38 @@
 
 One directory::
 
-    manifest.json           format; fxpass, torch and onnxruntime versions; march, executor; the
-                            rule set (name, plugin, version, source digest); per program its
+    manifest.json           format; fxpass and torch versions; the device (its name, plugin,
+                            identity: tool versions and source digest, and options); the rule
+                            set (name, plugin, version, source digest); per program its
                             inputs, outputs, state and weights (offset and size in weights.bin);
-                            per region its key, model file and input/output specs; every file's
-                            size and checksum; the manifest's own digest
+                            per region its key, input/output specs and the device's own entry
+                            (its files); every file's size and checksum; the manifest's own
+                            digest
     <program>.pt2           torch.export.save of each ExportedProgram (main, or prefill and
                             decode): the CPU ops; each region is one torch.ops.fxpass.region call
-    region_<name>.onnx      each region's model for the host executor; its weights are external
-                            data in weights.bin (a quantized region: its QDQ model, weights inside)
-    region_<name>.hbm       a board region's hbdk4 artifact, for the board runtime
+    region_<name>.*         each region's artifact, written by its device (``Device.save``: an
+                            ONNX device's model, its weights external data in weights.bin)
     weights.bin             every weight once, deduplicated by content across programs and
                             regions; tensors of 64 KiB or more start on a 64 KiB boundary, so
-                            onnxruntime and the loader map them from the file
+                            a runtime and the loader map them from the file
 
-Why plain files: a board-side loader reads the manifest, the region models and weights.bin
+Why plain files: a device-side loader reads the manifest, the region files and weights.bin
 without Python; onnxruntime maps external weights straight from the file.
 
 ``load`` checks everything before it runs anything: the manifest's format, digest and
-versions, that the executor can run the march, every file's size (a truncated copy) and
+versions, that the device it was made for is installed (its plugin alone is imported) and can
+run every region here (``Device.can_open``), every file's size (a truncated copy) and
 checksum (an edited one), and that nothing the manifest names leads outside the package
-(``aot.confine``). It opens each region's session from its files, maps the weights and
-registers the regions for the custom op; it runs no rule, no partition, no lowering and no
-Dynamo trace, and imports none of the export side (``aot.write`` writes packages). Calls
-check their inputs' shapes and dtypes against the exported ones.
+(``aot.confine``). The device opens each region's executor from its files
+(``Device.open``), the weights are mapped and the regions registered for the custom op; it
+runs no rule, no partition, no lowering and no Dynamo trace, and imports none of the export
+side (``aot.write`` writes packages). Calls check their inputs' shapes and dtypes against the
+exported ones.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -50,6 +52,7 @@ from fxpass.aot.confine import (
     member,
     spec_types,
 )
+from fxpass.device import Device, DeviceError, Files, check_device
 from fxpass.jit.digest import HASH_NAME, hasher
 
 if TYPE_CHECKING:  # the loader never builds options: options.py imports the lowering (onnx)
@@ -72,12 +75,10 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 def _versions() -> dict[str, str]:
-    import onnxruntime
-
+    """The framework's versions; a device's tools are in its identity (``device_identity``)."""
     import fxpass
 
-    return {"fxpass": fxpass.__version__, "torch": torch.__version__,
-            "onnxruntime": onnxruntime.__version__}
+    return {"fxpass": fxpass.__version__, "torch": torch.__version__}
 
 def save(programs: dict[str, Any], options: Options, path: str | os.PathLike, *,
          extra: dict[str, Any] | None = None,
@@ -103,8 +104,13 @@ def sign(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of package ``path``, checked for format, digest and versions."""
-    root = Path(path)
+    """The manifest of package ``path``, checked for format, digest and versions, and that
+    its device is installed and can run each of its regions here."""
+    return _read(Path(path))[0]
+
+
+def _read(root: Path) -> tuple[dict[str, Any], Device]:
+    """``read_manifest``, and the package's device."""
     mpath = root / MANIFEST
     if not root.exists():
         from fxpass.aot.write import _interrupted
@@ -142,22 +148,66 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                 f"{mpath}: made with {tool} {made.get(tool)}, this process has {here[tool]}; "
                 f"a package loads with the {tool} release ({'.'.join(b)}) that made it. Export "
                 "the model again here, or load it where that release is installed")
-    from fxpass.backends.bpu.marches import CORES as MARCHES
+    device = package_device(manifest, mpath)
+    programs = manifest.get("programs")
+    if not isinstance(programs, dict):
+        raise PackageError(f"{mpath}: no programs; the package was edited: export it again")
+    for name, spec in programs.items():
+        for r in spec.get("regions", []) if isinstance(spec, dict) else []:
+            why = device.can_open(r) if isinstance(r, dict) else "not an entry"
+            if why:
+                where = r.get("name") if isinstance(r, dict) else r
+                raise PackageError(f"{mpath}: region {where!r} of {name!r}: {why}")
+    return manifest, device
 
-    m, ex = manifest.get("march"), manifest.get("executor")
-    if m not in MARCHES:
-        raise PackageError(f"{mpath}: march {m!r} is not one this fxpass knows "
-                           f"({sorted(MARCHES)})")
-    # board.has_board()'s test, without importing the board module (onnx, 75 ms of a load)
-    if ex == "hbdnn" and importlib.util.find_spec("hbm_runtime") is None:
+
+def package_device(manifest: dict[str, Any], where: Any) -> Device:
+    """The device the package was made for, from the plugin that registered it (imported alone:
+    the rule set and other plugins stay unloaded); a ``PackageError`` naming the device and its
+    plugin when it is not installed here."""
+    name, plugin = manifest.get("device"), manifest.get("device_plugin") or "?"
+    if not isinstance(name, str) or not name:
+        raise PackageError(f"{where}: records no device (an older fxpass made it); export the "
+                           "model again with this fxpass")
+    try:
+        found = _plugin_device(name, plugin)
+        if found is None:  # every plugin (the rule set too): only when that one has none
+            from fxpass.plugins import get_device
+
+            found = get_device(name)
+        return found
+    except DeviceError:
+        dist, _, ep = plugin.partition(":")
         raise PackageError(
-            f"{mpath}: its regions are .hbm for the BPU ({m}), which only the board runtime "
-            "(`hbm_runtime`, on the RDK board image) runs: load the package on the board, or "
-            "export with executor='onnxruntime' for a host")
-    if ex not in ("onnxruntime", "hbdnn"):
-        raise PackageError(f"{mpath}: executor {ex!r} is not one this fxpass runs "
-                           "('onnxruntime' on a host, 'hbdnn' on the board)")
-    return manifest
+            f"{where}: made for fxpass device {name!r}, which is not installed here: install "
+            f"its plugin ({plugin}: entry point {ep or '?'!r} of distribution {dist!r}), or "
+            "load the package where it is installed") from None
+
+
+def _plugin_device(name: str, plugin: str) -> Device | None:
+    """Device ``name`` from the one entry point ``plugin`` (``dist:entry_point``) names, or
+    None (then the whole registry is asked): not installed, blocked (``FXPASS_BLOCK_PLUGINS``,
+    ``FXPASS_DISABLE_PLUGIN_AUTOLOAD``), or it provides no such device."""
+    from importlib.metadata import entry_points
+
+    from fxpass import env
+
+    dist, _, ep_name = plugin.partition(":")
+    own = dist.replace("_", "-").lower() == "fxpass"
+    if (not ep_name or ep_name in env.get("FXPASS_BLOCK_PLUGINS")
+            or (env.get("FXPASS_DISABLE_PLUGIN_AUTOLOAD") and not own)):
+        return None
+    for ep in entry_points(group="fxpass", name=ep_name):
+        if getattr(getattr(ep, "dist", None), "name", None) not in (dist, None):
+            continue
+        try:
+            hook = getattr(ep.load(), "fxpass_devices", None)
+            found = [d for d in (hook() if hook else []) if getattr(d, "name", None) == name]
+            if found:
+                return check_device(found[0])
+        except Exception:  # noqa: BLE001 - the registry reports a broken plugin in full
+            return None
+    return None
 
 
 def verify(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
@@ -192,8 +242,10 @@ def confine(root: Path, manifest: dict[str, Any]) -> list[str]:
         for key in ("file", "graph", "consts"):
             member(root, spec.get(key), f"program {name!r} ({key})", listed)
         for r in spec["regions"]:
+            if "model" not in r:
+                continue  # a device whose entry names its files otherwise (Files confines them)
             model = member(root, r.get("model"), f"region {r.get('name')!r} of {name!r}", listed)
-            if r.get("executor") != "hbdnn":
+            if model.suffix == ".onnx":  # a runtime resolves its external data itself
                 check_external_data(root, model, listed)
         specs += [spec["in_spec"], spec["out_spec"]]
     return allowed_imports(manifest.get("imports", []), spec_types(*specs), str(root / MANIFEST))
@@ -326,39 +378,35 @@ class Package:
         return self.programs["main"](*args, **kwargs)
 
 
-def _open_executors(root: Path, manifest: dict[str, Any]) -> dict[tuple[str, int], Any]:
-    """Each region's executor, by (program, region index). The onnxruntime sessions open on
-    threads side by side: opening one (graph optimization, prepacking the weights) is most of
-    a load (0.25 of 0.36 s for a Qwen3 4x512 package's two), and runs partly outside the GIL
-    (0.27 -> 0.23 s on 2 cores)."""
+def _open_executors(root: Path, manifest: dict[str, Any],
+                    device: Device) -> dict[tuple[str, int], Any]:
+    """Each region's executor, by (program, region index), from its device (``open``). They
+    open on threads side by side: opening an onnxruntime session (graph optimization,
+    prepacking the weights) is most of a load (0.25 of 0.36 s for a Qwen3 4x512 package's
+    two), and runs partly outside the GIL (0.27 -> 0.23 s on 2 cores); a device whose runtime
+    opens one at a time serializes its own ``open``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fxpass.backends.onnx.host.ort import OrtExecutor
+    files = Files(root)
 
     def open_one(r: dict[str, Any]) -> Any:
-        model = root / r["model"]
-        board = r["executor"] == "hbdnn"
         try:
-            if board:
-                from fxpass.backends.bpu.board import HbmExecutor
-
-                return HbmExecutor(str(model), r["input_names"])
-            return OrtExecutor(str(model), r["input_names"])
+            ex = device.open(r, files)
         except Exception as e:
-            raise PackageError(f"{model}: {'the board runtime' if board else 'onnxruntime'} "
-                               f"cannot open it: {e}") from e
+            raise PackageError(f"{root}: region {r.get('name')!r} ({r.get('model', '?')}): "
+                               f"device {device.name!r} cannot open it: {e}") from e
+        if not callable(ex):
+            raise PackageError(f"{root}: device {device.name!r} opened region "
+                               f"{r.get('name')!r} as {ex!r:.60}, which is not callable")
+        return ex
 
     jobs = {(name, i): r for name, spec in manifest["programs"].items()
             for i, r in enumerate(spec["regions"])}
-    host = [k for k, r in jobs.items() if r["executor"] != "hbdnn"]
-    out = {k: open_one(r) for k, r in jobs.items() if k not in host}  # the board's, in turn
-    if len(host) > 1:
-        with ThreadPoolExecutor(min(len(host), os.cpu_count() or 1)) as pool:
-            futures = {k: pool.submit(open_one, jobs[k]) for k in host}
-        out.update({k: f.result() for k, f in futures.items()})
-    else:
-        out.update({k: open_one(jobs[k]) for k in host})
-    return out
+    if len(jobs) <= 1:
+        return {k: open_one(r) for k, r in jobs.items()}
+    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+        futures = {k: pool.submit(open_one, r) for k, r in jobs.items()}
+    return {k: f.result() for k, f in futures.items()}
 
 
 def open_package(path: str | os.PathLike) -> Package:
@@ -367,7 +415,7 @@ def open_package(path: str | os.PathLike) -> Package:
     from fxpass.jit.runtime import RegionCall
 
     root = Path(path)
-    manifest = read_manifest(root)
+    manifest, device = _read(root)
     verify(root, manifest)
     for mod in confine(root, manifest):
         try:
@@ -384,7 +432,7 @@ def open_package(path: str | os.PathLike) -> Package:
                            "with torch's pytree; export the model again")
     weights = np.memmap(root / WEIGHTS, mode="c") if (root / WEIGHTS).stat().st_size else (
         np.zeros(0, np.uint8))
-    executors = _open_executors(root, manifest)
+    executors = _open_executors(root, manifest, device)
     regions, state, programs = [], {}, {}
     for name, spec in manifest["programs"].items():
         for index, r in enumerate(spec["regions"]):

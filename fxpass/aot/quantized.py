@@ -22,10 +22,9 @@ from fxpass.jit.options import Options
 
 
 def quantizes(opts: Options) -> bool:
-    """Whether ``opts`` quantize regions (``quantize``, or the board, which always does)."""
-    from fxpass.backends.bpu.compile import resolve_executor
-
-    return opts.quantize is not None or resolve_executor(opts.executor) == "hbdnn"
+    """Whether ``opts`` quantize regions (``quantize``, or a device that always does)."""
+    return (getattr(opts.dev, "quantize", None) is not None
+            or opts.get_device().requires_quantization(opts.dev) is not None)
 
 
 def check_calibration(opts: Options, calibration: Any, what: str) -> list[Any] | None:
@@ -44,6 +43,18 @@ def check_calibration(opts: Options, calibration: Any, what: str) -> list[Any] |
             "quantizes) need calibration data at export time, as a package loads with nothing "
             "left to compile: pass calibration=[...] (a few representative inputs)")
     return batches
+
+
+def check_like(batches: list[Any], args: tuple, kwargs: dict[str, Any]) -> None:
+    """Calibration batches shaped like the exported call, else a clear error."""
+    from fxpass.backends.onnx.calibration import _shape_of, call_args, check_batches
+
+    check_batches(batches)
+    call = call_args(batches[0])
+    if _shape_of(call) != _shape_of((args, kwargs)):
+        raise ExportError(
+            f"calibration batches are {_shape_of(call)}, the model is exported for "
+            f"{_shape_of((args, kwargs))}: calibrate with inputs of the exported shapes")
 
 
 def calibrate(lowered: Sequence[Any], run: Callable[[Any], Any], batches: list[Any],
@@ -103,23 +114,3 @@ def generate_runner(prefill: Any, decode: Any, meta: dict[str, Any]) -> Any:
     state = {k: torch.zeros_like(t) for k, t in prefill.state.items()}
     programs = {"prefill": _Held(prefill, state), "decode": _Held(decode, state)}
     return Runner(HeldPackage("export_for_generate", {"generate": meta}, programs, state))
-
-
-def region_entry(r: Any) -> tuple[str, bytes, dict[str, Any]]:
-    """A calibrated region's package file: (file name, bytes, manifest fields)."""
-    from fxpass.aot.package import PackageError
-    from fxpass.backends.bpu.board import BoardArtifact
-
-    q = r.quantizing
-    if q.active is q.float:
-        raise PackageError(
-            f"region {r.name} is not calibrated, and a package holds no float stand-in for a "
-            "quantized region: export with calibration=[...] (export() does this itself)")
-    info = q.info
-    fields = {"quantize": {
-        "config": info.config, "march": info.march, "batches": info.batches,
-        "cosine": info.cosine, "max_abs_error": info.max_abs_error,
-        "ranges_digest": info.ranges_digest}}
-    if isinstance(q.active, BoardArtifact):
-        return f"region_{r.name}.hbm", q.active.hbm, {"executor": "hbdnn", **fields}
-    return f"region_{r.name}.onnx", q.active.source, {"executor": "onnxruntime", **fields}

@@ -49,7 +49,8 @@ def _spec(t: Any) -> dict[str, Any]:
 
 
 class _WeightsFile:
-    """weights.bin being written: each distinct content once.
+    """weights.bin being written: each distinct content once; ``name`` is its path in the
+    package (what a device's artifacts that read weights from it name).
 
     Contents are keyed by their bytes alone (length and digest), not by who reads them or as
     what: a weight that the CPU program reads as a torch tensor and a region reads as an ONNX
@@ -59,11 +60,13 @@ class _WeightsFile:
 
     def __init__(self, path: Path):
         self.f = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self.name = path.name
         self.offset = 0
         self.seen: dict[tuple[int, str], tuple[int, int]] = {}
 
-    def add(self, data: np.ndarray) -> tuple[int, int]:
-        """Write ``data``'s bytes unless the same bytes are in already; (offset, bytes)."""
+    def add(self, data: np.ndarray, kind: str = "") -> tuple[int, int]:
+        """Write ``data``'s bytes unless the same bytes are in already; (offset, bytes).
+        ``kind`` (what reads them) does not change where equal bytes go (the class doc)."""
         a = np.ascontiguousarray(data)
         raw = memoryview(a.reshape(-1).view(np.uint8))
         h = hasher()
@@ -111,7 +114,7 @@ def _rule_set(options: Options) -> list[dict[str, Any]]:
     from fxpass.jit.digest import rule_identity
     from fxpass.plugins import select_rules
 
-    rules = select_rules(target="bpu", enable=options.enable,
+    rules = select_rules(target=options.get_device().target, enable=options.enable,
                          disable=options.disable, only=options.only)
     out = []
     for r in rules:
@@ -120,10 +123,10 @@ def _rule_set(options: Options) -> list[dict[str, Any]]:
                     "source": source})
     return out
 
-def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
+def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile, device: Any,
                    say: Callable[[str], None]) -> dict[str, Any]:
     from fxpass.aot.runtime import runtime_graph
-    from fxpass.backends.onnx.lowering.driver import point_external
+    from fxpass.device import DeviceError, Files
     from fxpass.jit import plan
 
     say(f"writing {name}.pt2")
@@ -136,30 +139,21 @@ def _write_program(name: str, low: Any, tmp: Path, wf: _WeightsFile,
         offset, nbytes = wf.add(_tensor_bytes(t))
         weights.append({"name": wname, "dtype": str(t.dtype), "shape": list(t.shape),
                         "offset": offset, "bytes": nbytes})
-    regions = []
+    regions, files = [], Files(tmp)
     for r in low.regions:
         say(f"writing region {r.name}")
-        specs = {
-            "name": r.name, "key": r.key, "input_names": r.input_names,
+        try:  # the device writes its artifact's files; the entry says how to open them
+            entry = device.save(r.region, r.artifact, files, wf)
+        except DeviceError as e:
+            raise PackageError(f"region {r.name}: {e}") from None
+        if not isinstance(entry, dict):
+            raise PackageError(f"device {device.name}: save() returned {entry!r:.60} for region "
+                               f"{r.name}; want a JSON dict (the entry open() reads)")
+        regions.append({
+            **entry, "name": r.name, "key": r.key, "input_names": r.input_names,
             "inputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.inputs],
             "outputs": [{"shape": list(s), "dtype": str(d)} for s, d in r.outputs],
-        }
-        if r.quantizing is not None:  # its own file: the quantized weights live in it
-            from fxpass.aot.quantized import region_entry
-
-            fname, data, fields = region_entry(r)
-            (tmp / fname).write_bytes(data)
-            regions.append({**specs, "model": fname, **fields})
-            continue
-        layout = {}
-        for wname, (_dtype, _shape, array) in r.weights.items():
-            layout[wname] = wf.add(array())
-        model = type(r.model)()
-        model.CopyFrom(r.model)
-        point_external(model, r.weights, layout, WEIGHTS)
-        fname = f"region_{r.name}.onnx"
-        (tmp / fname).write_bytes(model.SerializeToString())
-        regions.append({**specs, "executor": "onnxruntime", "model": fname})
+        })
     return {
         "file": f"{name}.pt2",
         "graph": f"{name}.graph.json",
@@ -305,7 +299,8 @@ def _write(programs: dict[str, Any], options: Options, tmp: Path, extra: dict[st
     """Every file of the package into the directory ``tmp``, the manifest last."""
     wf = _WeightsFile(tmp / WEIGHTS)
     try:
-        written = {name: _write_program(name, low, tmp, wf, say)
+        device = options.get_device()
+        written = {name: _write_program(name, low, tmp, wf, device, say)
                    for name, low in programs.items()}
     finally:
         wf.close()
@@ -317,7 +312,10 @@ def _write(programs: dict[str, Any], options: Options, tmp: Path, extra: dict[st
     manifest = {
         "format": FORMAT,
         "versions": _versions(),
-        "march": first.report.march,
+        "device": device.name,
+        "device_plugin": device.plugin,
+        "device_identity": device.identity(options.dev),
+        "device_options": device.keyed(options.dev),
         "executor": first.report.executor,
         "rules": _rule_set(options),
         "imports": _spec_modules(*(s for low in programs.values()

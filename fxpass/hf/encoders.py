@@ -197,14 +197,18 @@ def compile_for_encoder(
     *,
     buckets: dict[str, Sequence[int]],
     options: dict[str, Any] | None = None,
+    device: Any = None,
 ) -> torch.nn.Module:
-    """Compile ``model.forward`` with ``backend="fxpass_bpu"`` behind bucket padding (module
-    doc); returns ``model`` (its ``forward`` replaced), which keeps its signature."""
+    """Compile ``model.forward`` with ``backend=f"fxpass_{device}"`` behind bucket padding
+    (module doc); returns ``model`` (its ``forward`` replaced), which keeps its signature."""
+    from fxpass.jit.options import from_options
+
+    opts = from_options(options, device)
     spec = check_buckets(buckets)
     pad_id = _pad_id(model)
     forward = model.forward
-    compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=True,
-                             options=dict(options or {}))
+    compiled = torch.compile(forward, backend=f"fxpass_{opts.device}", dynamic=True,
+                             options={k: v for k, v in (options or {}).items() if k != "device"})
     warned: set[str] = set()
     sig = inspect.signature(forward)  # once: building it costs ~20 µs a call
     var_kw = [p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
@@ -224,7 +228,7 @@ def compile_for_encoder(
                 if name not in warned:
                     warned.add(name)
                     warnings.warn(
-                        f"fxpass_bpu: {name} {real} is past the largest bucket "
+                        f"fxpass_{opts.device}: {name} {real} is past the largest bucket "
                         f"({spec[name][-1]}); it gets its own exact-size variant (add a larger "
                         f"bucket to buckets[{name!r}] to share one)", stacklevel=4)
             return _slice(compiled(**kw), size)
@@ -255,6 +259,7 @@ def export_for_encoder(
     options: dict[str, Any] | None = None,
     calibration: Sequence[dict[str, torch.Tensor]] | None = None,
     progress: Any = None,
+    device: Any = None,
 ) -> BucketProgram:
     """Export an HF encoder once per bucket (every ``batch`` x ``seq`` pair; batch 1 when no
     batch buckets are given) into one package whose programs share ``weights.bin``, so each
@@ -276,7 +281,7 @@ def export_for_encoder(
     if "seq" not in spec:
         raise ValueError("export_for_encoder needs buckets['seq'] (the lengths to export)")
     pad_id = _pad_id(model)
-    opts = export_options(options)
+    opts = export_options(options, device)
     calib = quantized.check_calibration(opts, calibration, "export_for_encoder()")
     say = reporter(progress)
     types = "token_type_ids" in inspect.signature(model.forward).parameters

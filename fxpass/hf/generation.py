@@ -93,15 +93,16 @@ def warn_if_growing(gm: GraphModule) -> str | None:
     )
     if not _warned:
         _warned = True
-        warnings.warn(f"fxpass_bpu: {note}", GrowingCacheWarning, stacklevel=3)
+        warnings.warn(f"fxpass: {note}", GrowingCacheWarning, stacklevel=3)
     return note
 
 
 def compile_for_generate(
     model: Any, *, max_cache_len: int, options: dict[str, Any] | None = None,
-    loop_threads: int | None = 1, prefill_chunk: int | None = None,
+    loop_threads: int | None = 1, prefill_chunk: int | None = None, device: Any = None,
 ) -> Any:
-    """Configure ``model`` for static-cache generation and compile its forward with fxpass_bpu.
+    """Configure ``model`` for static-cache generation and compile its forward with
+    ``backend=f"fxpass_{device}"`` (``device``: an installed device's name).
 
     ``max_cache_len`` fixes the cache buffer (prompt plus new tokens, at most): every
     ``generate()`` call that fits reuses the same decode graph. ``loop_threads``: torch's
@@ -133,7 +134,8 @@ def compile_for_generate(
 
     # here, not wrapped in Dynamo's error at the first generate(); torch.compile takes its own
     # key (guard_filter_fn) out of the options before the backend sees them
-    from_options({k: v for k, v in (options or {}).items() if k not in TORCH_OPTIONS})
+    opts = from_options({k: v for k, v in (options or {}).items() if k not in TORCH_OPTIONS},
+                        device)
     cfg.cache_implementation = "static"
     cfg.max_cache_len = max_cache_len
     # called again (another max_cache_len or options): compile the model's own forward
@@ -142,8 +144,8 @@ def compile_for_generate(
     forward = getattr(forward, "_torchdynamo_orig_callable", forward)  # torch.compile'd by hand
     # a copy: torch.compile pops guard_filter_fn out of the dict it gets (found in review: a
     # second call with the same dict compiled without the filter)
-    compiled = torch.compile(forward, backend="fxpass_bpu", dynamic=False,
-                             options=dict(options or {}))
+    compiled = torch.compile(forward, backend=f"fxpass_{opts.device}", dynamic=False,
+                             options={k: v for k, v in (options or {}).items() if k != "device"})
     state = _GenerateState(loop_threads)
     prefill = PrefillChunks(prefill_chunk)
     model.forward = _step_counters_symbolic(compiled, forward, state)
@@ -398,7 +400,7 @@ def warn_if_recompiling() -> str | None:
         return None
     note = _note(*grown) if grown else _note_int(found[1])
     if _recompiles[found] == 2:  # once per source
-        warnings.warn(f"fxpass_bpu: {note}", RecompileWarning, stacklevel=3)
+        warnings.warn(f"fxpass: {note}", RecompileWarning, stacklevel=3)
     return note
 
 

@@ -97,7 +97,7 @@ class PrefillChunks:
         why = _root_cause(err)
         self.off = why
         warnings.warn(
-            f"fxpass_bpu: transformers' chunked prefill failed on {type(model).__name__} "
+            f"fxpass: transformers' chunked prefill failed on {type(model).__name__} "
             f"({why}); this generate() ran again without chunks, and from now on each new "
             "prompt length compiles its own prefill graph (seconds each; past Dynamo's "
             "recompile limit, eagerly). Tokens are unaffected",

@@ -9,12 +9,8 @@ import warnings
 import pytest
 import torch
 
-from fxpass.hf.encoders import (
-    by_rows,
-    check_buckets,
-    compile_for_encoder,
-    pad_inputs,
-)
+from fxpass.backends.bpu import compile_for_encoder
+from fxpass.hf.encoders import by_rows, check_buckets, pad_inputs
 from fxpass.jit.backend import STATS
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -114,8 +110,7 @@ def test_bad_bucket_specs_are_refused(bad, why):
 
 
 def test_export_for_encoder_packages_one_program_per_bucket_sharing_weights(tmp_path):
-    from fxpass.backends.bpu import load
-    from fxpass.hf.encoders import export_for_encoder
+    from fxpass.backends.bpu import export_for_encoder, load
 
     eager = _encoder("bert")
     program = export_for_encoder(_encoder("bert"), buckets={"seq": [16, 32], "batch": [2]})

@@ -148,12 +148,19 @@ def test_load_refuses_another_fxpass_release(bert_package, tmp_path):
         load(path)
 
 
+def _regions(m, **fields):
+    for spec in m["programs"].values():
+        for r in spec["regions"]:
+            r.update(fields)
+
+
 def test_load_refuses_a_board_package_on_the_host(bert_package, tmp_path):
+    """The BPU device's ``can_open`` checks each region entry before anything opens."""
     path = _copy(bert_package[3], tmp_path / "p")
-    _edit_manifest(path, lambda m: m.update(executor="hbdnn"))
+    _edit_manifest(path, lambda m: _regions(m, executor="hbdnn"))
     with pytest.raises(PackageError, match="only the board runtime .* runs: load the package"):
         load(path)
-    _edit_manifest(path, lambda m: m.update(executor="onnxruntime", march="nash-x"))
+    _edit_manifest(path, lambda m: _regions(m, executor="onnxruntime", march="nash-x"))
     with pytest.raises(PackageError, match="march 'nash-x' is not one this fxpass knows"):
         load(path)
 

@@ -79,10 +79,24 @@ def test_a_plain_package_imports_nothing_heavy(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_package_of_the_ort_device_imports_nothing_heavy(tmp_path):
+    """The package's device comes from its own plugin alone: not the rule set, not options."""
+    from fxpass.aot.export import export as export_on
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+    path = export_on(mlp, (torch.ones(2, 16),), options={"min_compute_macs": 0},
+                     device="ort").save(tmp_path / "mlp")
+    got = _modules(Path(path), "call")
+    assert _heavy(got["run"]) == [], got["run"]
+    assert "fxpass.backends.ort" in got["run"], got["run"]
+
+
+@pytest.mark.slow
 def test_a_bucket_package_imports_transformers_for_its_outputs_and_nothing_else(tmp_path):
     """BERT's outputs are transformers' ``ModelOutput`` types: their module is imported (the
     package needs it to rebuild its output), the rest of the heavy list is not."""
-    from fxpass.hf.encoders import export_for_encoder
+    from fxpass.backends.bpu import export_for_encoder
 
     model, _ = zoo.get("bert")
     path = export_for_encoder(model, buckets={"seq": [8], "batch": [1]}).save(tmp_path / "enc")

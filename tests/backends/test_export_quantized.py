@@ -109,7 +109,7 @@ def test_quantized_generate_export_calibrates_prefill_and_decode(tmp_path):
 
 
 def test_quantized_encoder_buckets_each_calibrate_on_inputs_of_their_size(tmp_path):
-    from fxpass.hf.encoders import export_for_encoder
+    from fxpass.backends.bpu import export_for_encoder
 
     m, _ = zoo.get("bert")
 

@@ -15,19 +15,7 @@ CORE = Path(__file__).resolve().parents[2] / "fxpass"
 #: The goal is the empty set.
 REMAINING = {
     "fxpass/aot/export.py: fxpass.backends.onnx.calibration",
-    "fxpass/aot/package.py: fxpass.backends.bpu.board",
-    "fxpass/aot/package.py: fxpass.backends.bpu.marches",
-    "fxpass/aot/package.py: fxpass.backends.onnx.host.ort",
-    "fxpass/aot/quantized.py: fxpass.backends.bpu.board",
-    "fxpass/aot/quantized.py: fxpass.backends.bpu.compile",
     "fxpass/aot/quantized.py: fxpass.backends.onnx.calibration",
-    "fxpass/aot/write.py: fxpass.backends.onnx.lowering.driver",
-    "fxpass/jit/backend.py: fxpass.backends.bpu.capability",
-    "fxpass/jit/backend.py: fxpass.backends.bpu.compile",
-    "fxpass/jit/options.py: fxpass.backends.bpu.capability",
-    "fxpass/jit/options.py: fxpass.backends.onnx.quantize",
-    "fxpass/jit/plan.py: fxpass.backends.onnx.host.entry",
-    "fxpass/jit/runtime.py: fxpass.backends.onnx.lowering.driver",
 }
 
 

@@ -77,7 +77,6 @@ def _core_files() -> list[Path]:
 #: the core (issue 44). A ratchet: a new circle fails, and so does a listed one that is gone.
 KNOWN_CIRCLES = {
     "fxpass.aot.package -> fxpass.aot.write -> fxpass.aot.package",
-    "fxpass.aot.package -> fxpass.aot.write -> fxpass.aot.quantized -> fxpass.aot.package",
     "fxpass.aot.export -> fxpass.aot.package -> fxpass.hf.encoders -> fxpass.aot.export",
     "fxpass.aot.package -> fxpass.hf.encoders -> fxpass.aot.package",
     "fxpass.jit.backend -> fxpass.jit.guarded -> fxpass.jit.backend",
