@@ -295,10 +295,10 @@ def test_quantize_refuses_unfrozen_weights():
     from fxpass.jit.options import from_options as validate_options
 
     with pytest.raises(TypeError, match="needs freeze_weights=True"):
-        validate_options({"quantize": "w8a16", "freeze_weights": False})
+        validate_options({"quantize": "w8a16", "freeze_weights": False}, "bpu")
     with pytest.raises(TypeError, match="needs freeze_weights=True"):  # (from the review)
-        validate_options({"executor": "hbdnn", "freeze_weights": False})
-    validate_options({"quantize": None, "freeze_weights": False})  # no quantization: fine
+        validate_options({"executor": "hbdnn", "freeze_weights": False}, "bpu")
+    validate_options({"quantize": None, "freeze_weights": False}, "bpu")  # no quantization: fine
 
 
 def test_accuracy_reads_through_infinities():

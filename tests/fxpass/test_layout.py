@@ -94,4 +94,5 @@ def test_wheel_installs_only_the_fxpass_package(tmp_path: Path) -> None:
     assert "fxpass/rules/sdpa.py" in names and "fxpass/jit/backend.py" in names
     eps = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(eps).decode()
-    assert "fxpass.rules" in text and "fxpass.jit.backend:fxpass_bpu" in text
+    assert "fxpass.rules" in text and "fxpass.backends.bpu.backend:fxpass_bpu" in text
+    assert "fxpass.backends.ort.backend:fxpass_ort" in text
