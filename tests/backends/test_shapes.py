@@ -82,6 +82,7 @@ def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
     assert any("shape variant 5" in n and "3 evicted" in n for n in report.notes), report.notes
 
 
+@pytest.mark.slow  # 7 s: many variants compiled and evicted
 def test_evicted_variants_leave_no_process_wide_state(fresh, opts):
     """Each distinct shape kept ~0.27 MB after its eviction (BERT 4 x 256): FakeTensor's
     dispatch cache entries for its sizes, torch.fx's generated source of its graph modules,
