@@ -236,6 +236,13 @@ class Device:
         """Why this process cannot run a saved entry (a runtime missing), or None."""
         return None
 
+    def calibration(self) -> Any:
+        """The device's calibration, for quantized regions ahead of time: an object with
+        ``check_batches(batches)``, ``recording()`` (a context manager whose session's
+        ``samples`` maps each region executor that ran to its inputs) and ``finish(session,
+        strict=)``. A device that does not quantize keeps this default."""
+        raise DeviceError(f"device {self.name} does not quantize: drop the quantize option")
+
     def requires_quantization(self, opts: Any) -> str | None:
         """The quantization config the device needs (an integer engine), or None."""
         return None

@@ -89,3 +89,53 @@ def test_module_imports_first_in_a_fresh_process(module: str) -> None:
     r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+_HEAVY = ("onnx", "onnxruntime", "onnxscript")
+#: what names a device, in product code outside that device's own plugin
+_DEVICE_NAMES = ('"fxpass_bpu"', 'target="bpu"', '"hbdnn"')
+
+
+def _product_files(*tops: str) -> list[Path]:
+    return [f for top in tops for f in sorted((REPO / top).rglob("*.py"))]
+
+
+def test_the_core_imports_no_backend_and_no_onnx() -> None:
+    """The core depends on torch, pluggy and numpy: every device arrives through the device
+    API, and ONNX is one kind of device's business (``backends/onnx``)."""
+    bad = []
+    for f in _product_files("fxpass"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.relative_to(REPO)} imports {n}" for n in names
+                    if n.split(".")[0] in _HEAVY or n.startswith("fxpass.backends")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_device_is_named_outside_its_plugin() -> None:
+    bad = [f"{f.relative_to(REPO)}: {name}"
+           for f in _product_files("fxpass", "rules", "backends")
+           if "backends/bpu" not in f.relative_to(REPO).as_posix()
+           for name in _DEVICE_NAMES if name in f.read_text()]
+    assert not bad, "\n".join(bad)
+
+
+def test_backends_import_only_public_fxpass_modules() -> None:
+    """A device plugin builds on what the core publishes; a private module or name
+    (``_name``) may change under it. (Within ``backends/`` a package's own modules are its
+    business; the shared rule helpers ``fxpass.rules._util`` are the rule set's, which the
+    lowering reads for the casts the rules insert.)"""
+    bad = []
+    for f in _product_files("backends"):
+        for name in _imports(f):
+            parts = name.split(".")
+            private = [p for p in parts[1:] if p.startswith("_") and not p.startswith("__")]
+            if (private and not name.startswith(("fxpass.backends.", "fxpass.rules._util"))):
+                bad.append(f"{f.relative_to(REPO)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_bpu_plugin_is_thin() -> None:
+    n = sum(len(f.read_text().splitlines()) for f in _product_files("backends/bpu"))
+    assert n <= 1500, f"backends/bpu is {n} lines of product code"

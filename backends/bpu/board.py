@@ -22,7 +22,9 @@ import torch
 from fxpass.backends.onnx import quantize as Q
 from fxpass.backends.onnx.calibration import cached_summary
 from fxpass.jit.cache import ArtifactCache, warn_unloadable
-from fxpass.jit.runtime import Compiled, _np, _tensor
+from fxpass.jit.runtime import Compiled
+from fxpass.jit.runtime import as_numpy as _np
+from fxpass.jit.runtime import as_tensor as _tensor
 
 
 class HbmExecutor:

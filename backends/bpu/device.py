@@ -144,6 +144,9 @@ class BpuDevice(Device):
     def reopen(self, region: Region, weights: dict, ctx: Context) -> Artifact | None:
         return self.host_device.reopen(region, weights, ctx)
 
+    def calibration(self) -> Any:
+        return self.host_device.calibration()
+
     def settle(self) -> None:
         self.host_device.settle()
 

@@ -32,6 +32,8 @@ import numpy as np
 import onnx
 import torch
 
+from fxpass.aot.batches import call, tensors
+from fxpass.aot.batches import shape_of as _shape_of
 from fxpass.backends.onnx import quantize as Q
 from fxpass.jit.cache import ArtifactCache
 
@@ -146,27 +148,6 @@ class QuantizingExecutor:
         return self.info
 
 
-def _shape_of(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype)
-    if isinstance(x, dict):
-        return {k: _shape_of(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return tuple(_shape_of(v) for v in x)
-    return type(x).__name__
-
-
-def _tensors(x: Any, path: str) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(x, torch.Tensor):
-        yield path, x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _tensors(v, f"{path}[{k!r}]")
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _tensors(v, f"{path}[{i}]")
-
-
 def check_batches(batches: Sequence[Any]) -> None:
     """Clear errors for what would otherwise calibrate the wrong thing silently."""
     if len(batches) == 0:
@@ -184,7 +165,7 @@ def check_batches(batches: Sequence[Any]) -> None:
                 "calibrate with batches shaped (and typed) like the calls you will serve, and "
                 "calibrate each serving shape separately"
             )
-        for where, t in _tensors(b, f"batch {k}"):
+        for where, t in tensors(b, f"batch {k}"):
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise Q.QuantizationError(
                     f"calibration {where} holds NaN or Inf, which would poison the ranges; "
@@ -192,19 +173,7 @@ def check_batches(batches: Sequence[Any]) -> None:
                 )
 
 
-def call_args(batch: Any) -> tuple[tuple, dict[str, Any]]:
-    """A batch as a call's (args, kwargs): a dict is keyword arguments, a tuple or list
-    positional ones, anything else the one argument."""
-    if isinstance(batch, dict):
-        return (), batch
-    if isinstance(batch, (list, tuple)):
-        return tuple(batch), {}
-    return (batch,), {}
-
-
-def _call(model: Callable, batch: Any) -> Any:
-    args, kwargs = call_args(batch)
-    return model(*args, **kwargs)
+_call = call
 
 
 def calibrate(model: Callable, batches: Iterable[Any], *, strict: bool = False) -> list[QuantInfo]:

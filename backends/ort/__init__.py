@@ -145,6 +145,11 @@ class OrtDevice(Device):
 
         return OrtExecutor(str(files.path(entry["model"])), entry["input_names"])
 
+    def calibration(self) -> Any:
+        from fxpass.backends.onnx import calibration
+
+        return calibration
+
     def settle(self) -> None:
         from fxpass.backends.onnx.host.ort import settle
 

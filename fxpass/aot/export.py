@@ -356,7 +356,7 @@ def export(
     ``options`` are the backend's (``torch.compile(..., options=...)``); the artifact cache and
     tiered sessions do not apply (a package holds every region's model itself). Shapes are
     those of ``args``/``kwargs``: the program refuses other shapes with a clear error.
-    Quantized regions (``quantize``, or ``executor="hbdnn"``: the board's ``.hbm``) need
+    Quantized regions (``quantize``, or a device that always quantizes, such as a board) need
     ``calibration``: inputs shaped like ``args``/``kwargs``, as ``calibrate()`` takes them (a
     dict is keyword arguments, a tuple positional, a tensor the one argument).
     Each stage is logged to ``fxpass.export`` at INFO and passed to ``progress`` (module doc);
@@ -367,7 +367,7 @@ def export(
     opts = export_options(options, device)
     batches = quantized.check_calibration(opts, calibration, "export()")
     if batches is not None:
-        quantized.check_like(batches, tuple(args), dict(kwargs or {}))
+        quantized.check_like(batches, tuple(args), dict(kwargs or {}), opts.get_device())
     say = reporter(progress)
     was_training = model.training
     model.eval()
@@ -382,9 +382,9 @@ def export(
     _warn_if_no_region("program", low.report, opts)
     program = Program(low, opts)
     if batches is not None:
-        from fxpass.backends.onnx.calibration import _call
+        from fxpass.aot.batches import call
 
-        quantized.calibrate([low], lambda b: _call(program, b), batches, say)
+        quantized.calibrate([low], lambda b: call(program, b), batches, say)
     return program
 
 

@@ -116,13 +116,13 @@ def _read(root: Path) -> tuple[dict[str, Any], Device]:
         from fxpass.aot.write import _interrupted
 
         raise PackageError(f"{root} does not exist{_interrupted(root)}; give the directory that "
-                           "fxpass.backends.bpu.export(...).save(path) or `fxpass export` wrote")
+                           "fxpass.aot.export.export(...).save(path) or `fxpass export` wrote")
     if not root.is_dir():
         raise PackageError(f"{root} is a file, not a package: a package is the directory that "
-                           "fxpass.backends.bpu.export(...).save(path) wrote")
+                           "fxpass.aot.export.export(...).save(path) wrote")
     if not mpath.is_file():
         raise PackageError(f"{root} is not an fxpass package: it has no {MANIFEST}. Make one "
-                           "with fxpass.backends.bpu.export(model, args).save(path)")
+                           "with fxpass.aot.export.export(model, args).save(path)")
     member(root, MANIFEST, "the manifest")  # not a symlink leading out
     try:
         manifest = json.loads(mpath.read_text())

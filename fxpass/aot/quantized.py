@@ -33,41 +33,42 @@ def check_calibration(opts: Options, calibration: Any, what: str) -> list[Any] |
         if calibration is not None:
             raise ExportError(
                 f"{what}: calibration data was given but nothing is quantized; pass "
-                "options={'quantize': 'w8a16'} (or executor='hbdnn' for the board), or drop "
+                "options={'quantize': 'w8a16'} (or a device that always quantizes), or drop "
                 "calibration=")
         return None
     batches = list(calibration) if calibration is not None else []
     if not batches:
         raise ExportError(
-            f"{what}: quantized regions (option 'quantize', or executor='hbdnn', which always "
+            f"{what}: quantized regions (option 'quantize', or a device that always "
             "quantizes) need calibration data at export time, as a package loads with nothing "
             "left to compile: pass calibration=[...] (a few representative inputs)")
     return batches
 
 
-def check_like(batches: list[Any], args: tuple, kwargs: dict[str, Any]) -> None:
+def check_like(batches: list[Any], args: tuple, kwargs: dict[str, Any], device: Any) -> None:
     """Calibration batches shaped like the exported call, else a clear error."""
-    from fxpass.backends.onnx.calibration import _shape_of, call_args, check_batches
+    from fxpass.aot.batches import call_args, shape_of
 
-    check_batches(batches)
+    device.calibration().check_batches(batches)
     call = call_args(batches[0])
-    if _shape_of(call) != _shape_of((args, kwargs)):
+    if shape_of(call) != shape_of((args, kwargs)):
         raise ExportError(
-            f"calibration batches are {_shape_of(call)}, the model is exported for "
-            f"{_shape_of((args, kwargs))}: calibrate with inputs of the exported shapes")
+            f"calibration batches are {shape_of(call)}, the model is exported for "
+            f"{shape_of((args, kwargs))}: calibrate with inputs of the exported shapes")
 
 
 def calibrate(lowered: Sequence[Any], run: Callable[[Any], Any], batches: list[Any],
               say: Callable[[str], None]) -> list[Any]:
     """Run ``run(batch)`` for each batch with recording on, then quantize every region of
     ``lowered`` (``aot.export.Lowered``); every quantizing region must have seen data."""
-    from fxpass.backends.onnx.calibration import finish, recording
+    from fxpass.plugins import get_device
 
     waiting = [r for low in lowered for r in low.regions if r.quantizing is not None]
     if not waiting:
         return []
     say(f"calibrating {len(waiting)} region(s) on {len(batches)} input(s)")
-    with recording() as session, torch.no_grad():
+    calib = get_device(lowered[0].report.device).calibration()
+    with calib.recording() as session, torch.no_grad():
         for b in batches:
             run(b)
     unseen = [r.name for r in waiting if r.quantizing not in session.samples]
@@ -75,7 +76,7 @@ def calibrate(lowered: Sequence[Any], run: Callable[[Any], Any], batches: list[A
         raise ExportError(
             f"regions {unseen} saw none of the calibration data; give inputs that reach "
             "them (for bucketed encoders: inputs of every bucket's size)")
-    return finish(session, strict=True)
+    return calib.finish(session, strict=True)
 
 
 class _Held:

@@ -27,7 +27,7 @@ def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if fn is None:
         raise RuntimeError(
             f"fxpass region {key!r} is not open in this process: a program that calls it must "
-            "come from fxpass.backends.bpu.export() or fxpass.backends.bpu.load(path), which "
+            "come from fxpass.aot.export.export() or fxpass.aot.package.load(path), which "
             "open its regions (torch.export.load alone does not)"
         )
     return list(fn(*inputs))

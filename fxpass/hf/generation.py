@@ -43,9 +43,9 @@ from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_ma
 aten = torch.ops.aten
 
 FIX = (
-    "use a static cache: fxpass.backends.bpu.compile_for_generate(model, max_cache_len=N), or "
-    'model.generate(..., cache_implementation="static") with '
-    'torch.compile(model.forward, backend="fxpass_bpu", dynamic=False)'
+    "use a static cache: fxpass.hf.generation.compile_for_generate(model, max_cache_len=N, "
+    "device=...), or model.generate(..., cache_implementation='static') with "
+    "torch.compile(model.forward, backend='fxpass_<device>', dynamic=False)"
 )
 
 
@@ -406,7 +406,8 @@ def warn_if_recompiling() -> str | None:
 
 def _note_int(src: str) -> str:
     if re.match(STEP_COUNTERS, src):
-        fix = "compile with fxpass.backends.bpu.compile_for_generate(model, max_cache_len=N)"
+        fix = ("compile with fxpass.hf.generation.compile_for_generate(model, max_cache_len=N, "
+               "device=...)")
         what = "HF's sliding-window cache counts tokens in a Python int"
     else:
         tail = re.escape(src.rsplit(".", 1)[-1])

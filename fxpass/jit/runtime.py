@@ -59,6 +59,11 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 Compiled = Artifact
 
 
+#: for executors: a zero-copy numpy view of a torch CPU tensor, a zero-copy tensor of an
+#: executor's output, and giving freed memory back to the OS after a large release
+as_numpy, as_tensor, malloc_trim = _np, _tensor, _malloc_trim
+
+
 class TorchThreads:
     """Runs a spliced graph with torch's own CPU ops on ``n`` threads, then restores the
     caller's count.

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from fxpass.jit.runtime import _malloc_trim, _np, _tensor
+from fxpass.jit.runtime import as_numpy as _np
+from fxpass.jit.runtime import as_tensor as _tensor
+from fxpass.jit.runtime import malloc_trim as _malloc_trim
 
 #: onnxruntime's pool threads stop spinning when a run ends (``session.force_spinning_stop``).
 #: Why: between two region calls the CPU runs torch ops (routing, the embedding, cache writes)
