@@ -10,7 +10,6 @@ output count, a compile that returns the wrong thing; each error names the devic
 from __future__ import annotations
 
 import importlib
-import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import fxpass
 from fxpass import plugins
 from fxpass.device import DeviceError
 from fxpass.jit.backend import backend_for
+from tests.fxpass.test_plugin_in_compile import fresh  # noqa: F401, F811 - the fixture
 from tests.fxpass.test_plugin_isolation import make_dist
 
 TOY = textwrap.dedent(
@@ -77,21 +77,10 @@ TOY = textwrap.dedent(
 
 
 @pytest.fixture
-def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delenv("FXPASS_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.delenv("FXPASS_BLOCK_PLUGINS", raising=False)
-    monkeypatch.setenv("FXPASS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(plugins, "_cache", {})
-    make_dist(tmp_path, "tp-toy", "tp_toy", TOY)
-    torch._dynamo.reset()
+def toy(fresh: Path) -> Iterator[object]:  # noqa: F811 - the imported fixture
+    """The toy device installed as its own distribution, in a fresh registry."""
+    make_dist(fresh, "tp-toy", "tp_toy", TOY)
     yield importlib.import_module("tp_toy")
-    torch._dynamo.reset()
-    for m in [m for m in sys.modules if m.startswith("tp_")]:
-        del sys.modules[m]
-    importlib.invalidate_caches()
-    monkeypatch.undo()
-    fxpass.load(refresh=True)
 
 
 def _model() -> torch.nn.Module:
