@@ -1,8 +1,9 @@
 """The contenders of the model benchmark, and how each one's output is checked against eager.
 
 Every contender runs the same ``Wrapped`` module on the same inputs: eager, ``torch.compile``
-with inductor or fxpass_bpu (compile time = ``torch.compile`` plus the first call), and the
-whole model exported to ONNX and run by an ``onnxruntime.InferenceSession``.
+with inductor, fxpass_bpu, fxpass_ort or torch's own ``onnxrt`` (compile time =
+``torch.compile`` plus the first call), and the whole model exported to ONNX and run by an
+``onnxruntime.InferenceSession``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,28 @@ def configure_dynamo() -> None:
             setattr(cfg, key, 64)
 
 
+#: why torch's own ``onnxrt`` backend is missing, when Dynamo says it is not registered
+ONNXRT_GONE = (
+    "torch {version} registers no 'onnxrt' Dynamo backend ({error}): torch removed it with "
+    "DORT, its ONNX Runtime backend, in July 2025 (pytorch/pytorch#158258); "
+    "torch/_dynamo/backends/onnxrt.py is a placeholder since"
+)
+
+
+def torch_compile(fn: Any, backend: str, **kw: Any) -> Any:
+    """``torch.compile(fn, backend=backend, **kw)``; a missing ``onnxrt`` says why it is gone
+    (Dynamo's own error only points at ``list_backends()``)."""
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        return torch.compile(fn, backend=backend, **kw)
+    except InvalidBackend as e:
+        if backend != "onnxrt":
+            raise
+        why = ONNXRT_GONE.format(version=torch.__version__, error=type(e).__name__)
+        raise RuntimeError(why) from e
+
+
 def compiled(
     model: torch.nn.Module, inputs: tuple, backend: str, options: dict | None = None
 ) -> tuple[Callable[[], Any], float, Any]:
@@ -94,7 +117,7 @@ def compiled(
     box: list[Any] = []
 
     def first() -> Any:
-        box.append(torch.compile(model, backend=backend, dynamic=False, options=options))
+        box.append(torch_compile(model, backend, dynamic=False, options=options))
         return box[0](*inputs)
 
     t, out = harness.timed(first)
@@ -105,6 +128,11 @@ def compiled(
 def bpu_options(cache_dir: str) -> dict[str, Any]:
     """The host executor, and a cache directory this run owns (cold on first use)."""
     return {"executor": "onnxruntime", "cache_dir": cache_dir}
+
+
+def ort_options(cache_dir: str) -> dict[str, Any]:
+    """fxpass_ort's defaults, and a cache directory this run owns (cold on first use)."""
+    return {"cache_dir": cache_dir}
 
 
 def bpu_report(reports: list[Any]) -> dict[str, Any]:

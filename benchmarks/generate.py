@@ -1,4 +1,4 @@
-"""Generation benchmark: ``generate()`` through eager, inductor, fxpass_bpu and ONNX Runtime GenAI.
+"""Generation benchmark: ``generate()`` through eager, inductor, fxpass, onnxrt and ORT GenAI.
 
 ``python -m benchmarks.generate [--quick] [--models qwen3-4x512,...]``
 
@@ -6,10 +6,11 @@ Per model (random weights, greedy, fp32, a 32-token prompt), every contender pro
 tokens from the same weights:
 
 - ``eager`` (HF's default dynamic cache) and ``eager-static`` (``cache_implementation="static"``);
-- ``inductor`` and ``fxpass_bpu``: ``model.forward`` compiled with ``dynamic=False`` and a
-  static cache of fixed length (prompt + the longest run), so every call reuses two graphs;
-  fxpass_bpu through ``compile_for_generate`` (its documented path; since 2026-12-03 08:30,
-  before that plain ``torch.compile`` as for inductor);
+- ``inductor``, ``fxpass_bpu``, ``fxpass_ort`` and ``onnxrt``: ``model.forward`` compiled with
+  ``dynamic=False`` and a static cache of fixed length (prompt + the longest run), so every
+  call reuses two graphs; fxpass_bpu and fxpass_ort (the ``ort`` device: onnxruntime on the
+  host) through ``compile_for_generate(..., device=...)``, their documented path; ``onnxrt``
+  is torch's own Dynamo backend of that name, with plain ``torch.compile`` as for inductor;
 - ``genai``: ``onnxruntime-genai``; the model is saved with ``save_pretrained`` to a temporary
   folder, built by ``onnxruntime_genai.models.builder`` (fp32, cpu) and run with its
   ``Generator`` from the same token ids;
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
+from benchmarks.contenders import torch_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 32
@@ -97,14 +99,19 @@ def _compiled(name: str, backend: str, max_len: int) -> tuple[Callable[[int], An
     return _hf_generate(model, ids), model
 
 
-def _compile_for(model: Any, backend: str, max_len: int) -> None:
-    """``model`` compiled for static-cache generation: fxpass_bpu through its documented path
-    (``compile_for_generate``: HF's loop on one torch thread, sliding-window counters
-    symbolic), other backends with ``torch.compile`` on ``model.forward``."""
-    if backend == "fxpass_bpu":
-        from fxpass.backends.bpu import compile_for_generate
+#: contenders that are fxpass devices: compiled through ``compile_for_generate``
+FXPASS = ("fxpass_bpu", "fxpass_ort")
 
-        compile_for_generate(model, max_cache_len=max_len)
+
+def _compile_for(model: Any, backend: str, max_len: int) -> None:
+    """``model`` compiled for static-cache generation: an fxpass device through its documented
+    path (``compile_for_generate(..., device=...)``: HF's loop on one torch thread,
+    sliding-window counters symbolic), other backends with ``torch.compile`` on
+    ``model.forward``."""
+    if backend in FXPASS:
+        from fxpass.hf.generation import compile_for_generate
+
+        compile_for_generate(model, max_cache_len=max_len, device=backend.removeprefix("fxpass_"))
     else:
         _compile_static(model, backend, max_len)
 
@@ -116,9 +123,9 @@ def _compile_static(
     ``options`` go to ``torch.compile`` (fxpass_bpu always gets a dict)."""
     model.generation_config.cache_implementation = "static"
     model.generation_config.max_cache_len = max_len
-    use = backend == "fxpass_bpu" or options
+    use = backend in FXPASS or options
     opts = {"options": dict(options or {})} if use else {}
-    model.forward = torch.compile(model.forward, backend=backend, dynamic=False, **opts)
+    model.forward = torch_compile(model.forward, backend, dynamic=False, **opts)
 
 
 def _word_tokenizer(vocab: int) -> Any:
@@ -198,6 +205,8 @@ def run_model(
         ),
         "inductor": lambda: _compiled(name, "inductor", max_len),
         "fxpass_bpu": lambda: _compiled(name, "fxpass_bpu", max_len),
+        "fxpass_ort": lambda: _compiled(name, "fxpass_ort", max_len),
+        "onnxrt": lambda: _compiled(name, "onnxrt", max_len),
         "genai": lambda: (GenAI(eager_model, ids, max_len), None),
         "linears-only": lambda: (LinearsOnly(eager_model), None),
     }
@@ -223,7 +232,7 @@ def run_model(
             r["tokens_match"] = None if contender == "linears-only" else all(
                 torch.equal(fn(n), reference[n]) for n in new_tokens)
             reports = fxpass.compile_reports()[before:]
-            if contender == "fxpass_bpu":
+            if contender in FXPASS:
                 r["graphs"] = len(reports)
                 r["regions_per_graph"] = [len(x.regions) for x in reports]
                 r["fusions"] = reports[-1].regions[0].fusions if reports[-1].regions else {}
@@ -583,7 +592,7 @@ def _plot(data: dict[str, Any], path: Path) -> None:
         last = run["new_tokens"][-1]
         base = _at(by.get("eager", {}).get("decode_ms_per_token"), last)
         cases.append(f"{run['model']} decode @{last}")
-        for c in ("eager-static", "inductor", "fxpass_bpu", "genai"):
+        for c in ("eager-static", "inductor", *FXPASS, "onnxrt", "genai"):
             v = _at(by.get(c, {}).get("decode_ms_per_token"), last)
             ratios.setdefault(c, []).append(v / base if v and base else None)
     harness.ratio_chart(cases, ratios, path, title="decode ms/token / eager's (median)")

@@ -1,10 +1,12 @@
-"""Model latency: eager vs inductor vs fxpass_bpu (onnxruntime host executor) vs whole-model ONNX.
+"""Model latency: eager, inductor, fxpass_bpu, fxpass_ort, torch's onnxrt, whole-model ONNX.
 
-Random weights, no downloads (``fxpass.tools.zoo``), batch 1, ``torch.no_grad()``.
-Per case, every
-contender is compiled/exported in this process, checked against eager, then timed side by side
-(``harness.interleave``). For fxpass_bpu a second process reuses the artifact cache, to
-measure what a warm cache saves. A contender that fails is recorded with its error, never fatal.
+Random weights, no downloads (``fxpass.tools.zoo``), batch 1, ``torch.no_grad()``. fxpass_bpu
+runs on its onnxruntime host executor; fxpass_ort is the ``ort`` device (onnxruntime on the
+host as a product of its own); ``onnxrt`` is torch's own Dynamo backend of that name, beside
+them. Per case, every contender is compiled/exported in this process, checked against eager,
+then timed side by side (``harness.interleave``). For fxpass_bpu a second process reuses the
+artifact cache, to measure what a warm cache saves. A contender that fails is recorded with its
+error, never fatal.
 
     python -m benchmarks.models [--quick] [--out benchmarks/results] [--only qwen3]
 """
@@ -38,11 +40,12 @@ from benchmarks.contenders import (
     configure_dynamo,
     err,
     onnx_session,
+    ort_options,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CONTENDERS = ("eager", "inductor", "fxpass_bpu", "onnxruntime")
+CONTENDERS = ("eager", "inductor", "fxpass_bpu", "fxpass_ort", "onnxrt", "onnxruntime")
 #: Medium-size HF encoders/decoders next to the 4-layer, 1024-wide presets.
 MEDIUM = dict(layers=4, hidden=512, heads=8, vocab=32000)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -197,6 +200,26 @@ def run_case(
                 r.extra["cold_child"] = child_compile(case, os.path.join(tmp, "cold-cache"))
             r.extra["warm_child"] = child_compile(case, cache_dir)
 
+        r = results["fxpass_ort"]
+        n0 = len(fxpass.compile_reports())
+        got = attempt(
+            r,
+            "compile",
+            lambda: compiled(model, inputs, "fxpass_ort", ort_options(f"{tmp}/ort-cache")),
+        )
+        r.extra.update(bpu_report(fxpass.compile_reports()[n0:]))
+        if got:
+            callables["fxpass_ort"], r.first_call_s, out = got
+            r.check = check(ref, out)
+            if r.extra["graphs"] == 0:
+                r.error = "fxpass_ort compiled no graph (Dynamo reused another entry?)"
+
+        r = results["onnxrt"]  # torch's own Dynamo backend
+        got = attempt(r, "compile", lambda: compiled(model, inputs, "onnxrt"))
+        if got:
+            callables["onnxrt"], r.first_call_s, out = got
+            r.check = check(ref, out)
+
         r = results["onnxruntime"]
         got = attempt(r, "export", lambda: onnx_session(model, inputs, tmp, r))
         if got:
@@ -245,6 +268,10 @@ def latency_rows(cases: list[dict[str, Any]]) -> list[dict[str, str]]:
             note = r["error"] and f"failed at {r['stage']}: {r['error']}"
             if r["contender"] == "onnxruntime" and r["extra"].get("exporter"):
                 note = "; ".join(x for x in (f"exporter: {r['extra']['exporter']}", note) if x)
+            if r["contender"] == "fxpass_ort" and r["extra"].get("graphs"):
+                x = r["extra"]
+                where = f"{x['regions']} region(s), {x['mac_share']:.1%} of MACs"
+                note = "; ".join(y for y in (where, note) if y)
             rows.append(
                 {
                     "case": c["label"],
@@ -370,6 +397,8 @@ def warm_up_process() -> None:
         torch.compile(lin, backend="inductor", dynamic=False)(x)
         opts = {**bpu_options(tmp), "min_compute_macs": 0}
         torch.compile(lin, backend="fxpass_bpu", dynamic=False, options=opts)(x)
+        opts = {**ort_options(tmp), "min_compute_macs": 0}
+        torch.compile(lin, backend="fxpass_ort", dynamic=False, options=opts)(x)
     torch._dynamo.reset()
 
 
