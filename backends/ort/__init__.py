@@ -196,7 +196,9 @@ def fxpass_devices() -> list[Device]:
 def fxpass_targets() -> list[Any]:
     from fxpass.plugins import Target
 
-    return [Target(name="ort", description="onnxruntime on the host CPU")]
+    # onnxruntime's CPU kernels have no BF16 GEMM: regions compute BF16 models in float32
+    return [Target(name="ort", description="onnxruntime on the host CPU; no BF16 kernels",
+                   enable=("bf16_promotion", "bf16_cast_cancel"))]
 
 
 __all__ = ["DEVICE", "OrtDevice", "OrtOptions", "quantized"]

@@ -39,3 +39,17 @@ def test_ort_quantizes_its_mac_ops_after_calibration(opts):
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     assert cos > 0.999, cos  # int8 weights and activations against float32
     assert not torch.equal(got, want)  # it did quantize
+
+
+def test_ort_promotes_bf16_models_to_float32_regions(opts):
+    """onnxruntime has no BF16 GEMM on the CPU: the ort target promotes, as the BPU's does
+    (found by benchmarks.models: a bf16 MLP got no region on ort)."""
+    m, x = _mlp().to(torch.bfloat16), torch.randn(8, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = torch.compile(m, backend="fxpass_ort", options=opts)(x)
+        want = m(x)
+    assert got.dtype == torch.bfloat16  # the model-visible dtype stays BF16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 tolerances
+    rep = fxpass.compile_reports()[-1]
+    assert len(rep.regions) == 1 and rep.regions[0].fallback is None, str(rep)
+    assert rep.rewrites.get("bf16_promotion", 0) >= 1, rep.rewrites
