@@ -44,8 +44,8 @@ aten = torch.ops.aten
 
 FIX = (
     "use a static cache: fxpass.hf.generation.compile_for_generate(model, max_cache_len=N, "
-    "device=...), or model.generate(..., cache_implementation='static') with "
-    "torch.compile(model.forward, backend='fxpass_<device>', dynamic=False)"
+    'device=...), or model.generate(..., cache_implementation="static") with '
+    'torch.compile(model.forward, backend="fxpass_<device>", dynamic=False)'
 )
 
 
