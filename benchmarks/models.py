@@ -182,37 +182,24 @@ def run_case(
             callables["inductor"], r.first_call_s, out = got
             r.check = check(ref, out)
 
-        r = results["fxpass_bpu"]
         cache_dir = os.path.join(tmp, "bpu-cache")
-        n0 = len(fxpass.compile_reports())
-        got = attempt(
-            r,
-            "compile",
-            lambda: compiled(model, inputs, "fxpass_bpu", bpu_options(cache_dir)),
-        )
-        r.extra.update(bpu_report(fxpass.compile_reports()[n0:]))
-        if got:
-            callables["fxpass_bpu"], r.first_call_s, out = got
+        for name, options in (("fxpass_bpu", bpu_options(cache_dir)),
+                              ("fxpass_ort", ort_options(f"{tmp}/ort-cache"))):
+            r = results[name]
+            n0 = len(fxpass.compile_reports())
+            got = attempt(r, "compile",
+                          lambda name=name, options=options: compiled(model, inputs, name, options))
+            r.extra.update(bpu_report(fxpass.compile_reports()[n0:]))
+            if not got:
+                continue
+            callables[name], r.first_call_s, out = got
             r.check = check(ref, out)
             if r.extra["graphs"] == 0:
-                r.error = "fxpass_bpu compiled no graph (Dynamo reused another entry?)"
-            if cold_child:
-                r.extra["cold_child"] = child_compile(case, os.path.join(tmp, "cold-cache"))
-            r.extra["warm_child"] = child_compile(case, cache_dir)
-
-        r = results["fxpass_ort"]
-        n0 = len(fxpass.compile_reports())
-        got = attempt(
-            r,
-            "compile",
-            lambda: compiled(model, inputs, "fxpass_ort", ort_options(f"{tmp}/ort-cache")),
-        )
-        r.extra.update(bpu_report(fxpass.compile_reports()[n0:]))
-        if got:
-            callables["fxpass_ort"], r.first_call_s, out = got
-            r.check = check(ref, out)
-            if r.extra["graphs"] == 0:
-                r.error = "fxpass_ort compiled no graph (Dynamo reused another entry?)"
+                r.error = f"{name} compiled no graph (Dynamo reused another entry?)"
+            if name == "fxpass_bpu":  # the cache's cold and warm starts, measured once
+                if cold_child:
+                    r.extra["cold_child"] = child_compile(case, os.path.join(tmp, "cold-cache"))
+                r.extra["warm_child"] = child_compile(case, cache_dir)
 
         r = results["onnxrt"]  # torch's own Dynamo backend
         got = attempt(r, "compile", lambda: compiled(model, inputs, "onnxrt"))

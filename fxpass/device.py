@@ -102,17 +102,16 @@ class Context:
 
 class Files:
     """A package directory as a device sees it: ``path(name)`` resolves a name inside it and
-    refuses one leading out (absolute, ``..``, a symlink out)."""
+    refuses one leading out (absolute, ``..``, a symlink out), by the same check ``load``
+    holds every manifest name to (``fxpass.aot.confine.member``)."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
 
     def path(self, name: str) -> Path:
-        root = self.root.resolve()
-        p = (self.root / name).resolve()
-        if Path(name).is_absolute() or root not in p.parents:
-            raise DeviceError(f"{name!r} leads outside the package {self.root}")
-        return p
+        from fxpass.aot.confine import member
+
+        return member(self.root, name, "a device's file")
 
 
 class Device:
