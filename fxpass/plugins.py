@@ -414,10 +414,17 @@ def select_rules(
     return [r for n, r in reg.rules.items() if n in on]
 
 
-def get_device(name: str | Device) -> Device:
-    """The installed device called ``name``; an error names the plugin to install."""
+def get_device(name: str | Device, plugin: str | None = None) -> Device:
+    """The installed device called ``name``; an error names the plugin to install.
+
+    ``plugin`` (``dist:entry_point``, as a package records it): that entry point is imported
+    alone first, so a deployed process that loads a package never imports the rule set or
+    other plugins; the whole registry is asked only when that one has no such device."""
     if isinstance(name, Device):
         return name
+    found = _from_one_plugin(name, plugin) if plugin else None
+    if found is not None:
+        return found
     reg = load()
     if name not in reg.devices:
         failed = "".join(f"; plugin {s} failed to load: {e}" for s, e in reg.failures)
@@ -425,3 +432,24 @@ def get_device(name: str | Device) -> Device:
                           f"{sorted(reg.devices)}); install the plugin that provides it"
                           f"{failed}")
     return reg.devices[name]
+
+
+def _from_one_plugin(name: str, plugin: str) -> Device | None:
+    """Device ``name`` from the one entry point ``plugin`` names, or None: not installed,
+    blocked (``FXPASS_BLOCK_PLUGINS``, ``FXPASS_DISABLE_PLUGIN_AUTOLOAD``), broken (the full
+    registry then reports it) or providing no such device."""
+    dist, _, ep_name = plugin.partition(":")
+    if (not ep_name or ep_name in env.get("FXPASS_BLOCK_PLUGINS")
+            or (env.get("FXPASS_DISABLE_PLUGIN_AUTOLOAD") and not _is_own(dist))):
+        return None
+    for ep in entry_points(group=GROUP, name=ep_name):
+        if getattr(getattr(ep, "dist", None), "name", None) not in (dist, None):
+            continue
+        try:
+            hook = getattr(ep.load(), "fxpass_devices", None)
+            found = [d for d in (hook() if hook else []) if getattr(d, "name", None) == name]
+            if found:
+                return check_device(found[0])
+        except Exception:  # noqa: BLE001 - the registry reports a broken plugin in full
+            return None
+    return None

@@ -52,7 +52,7 @@ from fxpass.aot.confine import (
     member,
     spec_types,
 )
-from fxpass.device import Device, DeviceError, Files, check_device
+from fxpass.device import Device, DeviceError, Files
 from fxpass.jit.digest import HASH_NAME, hasher
 
 if TYPE_CHECKING:  # the loader never builds options: options.py imports the lowering (onnx)
@@ -169,45 +169,16 @@ def package_device(manifest: dict[str, Any], where: Any) -> Device:
     if not isinstance(name, str) or not name:
         raise PackageError(f"{where}: records no device (an older fxpass made it); export the "
                            "model again with this fxpass")
-    try:
-        found = _plugin_device(name, plugin)
-        if found is None:  # every plugin (the rule set too): only when that one has none
-            from fxpass.plugins import get_device
+    from fxpass.plugins import get_device
 
-            found = get_device(name)
-        return found
+    try:
+        return get_device(name, plugin=plugin)
     except DeviceError:
         dist, _, ep = plugin.partition(":")
         raise PackageError(
             f"{where}: made for fxpass device {name!r}, which is not installed here: install "
             f"its plugin ({plugin}: entry point {ep or '?'!r} of distribution {dist!r}), or "
             "load the package where it is installed") from None
-
-
-def _plugin_device(name: str, plugin: str) -> Device | None:
-    """Device ``name`` from the one entry point ``plugin`` (``dist:entry_point``) names, or
-    None (then the whole registry is asked): not installed, blocked (``FXPASS_BLOCK_PLUGINS``,
-    ``FXPASS_DISABLE_PLUGIN_AUTOLOAD``), or it provides no such device."""
-    from importlib.metadata import entry_points
-
-    from fxpass import env
-
-    dist, _, ep_name = plugin.partition(":")
-    own = dist.replace("_", "-").lower() == "fxpass"
-    if (not ep_name or ep_name in env.get("FXPASS_BLOCK_PLUGINS")
-            or (env.get("FXPASS_DISABLE_PLUGIN_AUTOLOAD") and not own)):
-        return None
-    for ep in entry_points(group="fxpass", name=ep_name):
-        if getattr(getattr(ep, "dist", None), "name", None) not in (dist, None):
-            continue
-        try:
-            hook = getattr(ep.load(), "fxpass_devices", None)
-            found = [d for d in (hook() if hook else []) if getattr(d, "name", None) == name]
-            if found:
-                return check_device(found[0])
-        except Exception:  # noqa: BLE001 - the registry reports a broken plugin in full
-            return None
-    return None
 
 
 def verify(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
