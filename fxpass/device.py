@@ -267,10 +267,10 @@ def check_device(d: Any) -> Device:
             raise DeviceError(f"{who}: {attr} must be a non-empty string")
     if not dataclasses.is_dataclass(d.Options):
         raise DeviceError(f"device {d.name}: Options must be a dataclass")
-    for m in ("reject", "compile"):
-        if getattr(type(d), m) is getattr(Device, m) and not (
-                m == "reject" and type(d).capability is not Device.capability):
-            raise DeviceError(f"device {d.name}: implements no {m}()")
+    if type(d).compile is Device.compile:
+        raise DeviceError(f"device {d.name}: implements no compile()")
+    if type(d).reject is Device.reject and type(d).capability is Device.capability:
+        raise DeviceError(f"device {d.name}: implements neither reject() nor capability()")
     return d
 
 

@@ -165,3 +165,26 @@ def test_an_unknown_device_names_the_fix() -> None:
         warnings.simplefilter("ignore")
         with pytest.raises(DeviceError, match="'nosuch' is not installed.*install the plugin"):
             plugins.get_device("nosuch")
+
+
+def test_a_device_missing_its_compile_or_capability_is_refused_at_registration() -> None:
+    from fxpass.device import Device, check_device
+
+    class NoCompile(Device):
+        name, target = "nocompile", "nocompile"
+
+        def reject(self, node, opts):  # noqa: ANN001, ANN201
+            return None
+
+    class NoCapability(Device):
+        name, target = "nocap", "nocap"
+
+        def compile(self, region, ctx):  # noqa: ANN001, ANN201
+            raise AssertionError("never called")
+
+    with pytest.raises(DeviceError, match="device nocompile: implements no compile"):
+        check_device(NoCompile())
+    with pytest.raises(DeviceError, match="device nocap: implements neither reject"):
+        check_device(NoCapability())
+    with pytest.raises(TypeError, match="want fxpass.device.Device"):
+        check_device(object())
