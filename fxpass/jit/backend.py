@@ -9,6 +9,7 @@ call -> a guarded callable. A device plugin registers ``backend_for(name)`` in t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -31,6 +32,7 @@ from fxpass.hf.generation import warn_if_growing, warn_if_recompiling
 from fxpass.jit import plan
 from fxpass.jit.cache import ArtifactCache
 from fxpass.jit.options import Options, from_options
+from fxpass.jit.remote import STATS as REMOTE_STATS
 from fxpass.jit.report import REPORTS, GraphReport, RegionReport
 from fxpass.jit.runtime import RegionCall, TorchThreads
 from fxpass.partition.cost import macs
@@ -51,8 +53,11 @@ _WARNED: set[str] = set()
 #: What the backend did in this process: "rules" (pass-manager runs), "partition", "plan_hit",
 #: "plan_miss", "plan_stored", "parallel_compiles", "region_compiles", "variants" (a graph
 #: compiled again for another instance's weights), "unfrozen_buffers" (frozen buffers found
-#: written). Tests assert on it (never on timings).
+#: written). Tests assert on it (never on timings). ``CACHE_STATS`` (``remote.STATS``) beside
+#: it counts where each region came from (local hit, remote hit, compiled) and the remote
+#: tier's hits, refusals, publications, errors and compile-lock waits.
 STATS: Counter[str] = Counter()
+CACHE_STATS = REMOTE_STATS
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -161,7 +166,7 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
             raise RuntimeError(f"{who}: plugin(s) failed to load, their rules are missing: "
                                f"{failed} (strict=True; FXPASS_BLOCK_PLUGINS=name skips one)")
         report.notes.append(f"plugin(s) failed to load, their rules are missing: {failed}")
-    cache = ArtifactCache(opts.cache_dir) if opts.cache else None
+    cache = ArtifactCache(opts.cache_dir, remote=opts.remote_cache) if opts.cache else None
     min_macs = min_region_macs(opts)
     pkey = plan.key_for(gm, opts, rules, device, cache)
     if pkey is not None:
@@ -211,6 +216,7 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
                 c.cached,
                 fusions=c.fusions,
                 quant=getattr(c.executor, "info", None),
+                source=cache.record(c.key, c.cached) if cache is not None else "",
             )
         )
         report.offloaded_call_nodes += sum(1 for n in r.nodes if n.target is not getitem)
@@ -348,18 +354,27 @@ def checked_capability(device: devices.Device, opts: Options) -> Callable[[Any],
     return reason
 
 
-def compile_region(rg: Any, name: str, opts: Options, cache: Any) -> Any:
-    """One extracted region through the device: keyed by the framework (graph, arguments,
-    weights, options, rules, the device's identity), compiled by the device."""
+def region_cache_key(rg: Any, opts: Options) -> str:
+    """A region's artifact key: its graph, arguments, weights, options, the device's identity
+    (``explain`` looks it up in the caches with it)."""
     from fxpass.jit.cache import region_key
 
     device = opts.get_device()
-    key = region_key(rg.gm, device=device.identity(opts.dev), options=opts.region_keyed(),
-                     host=device.runs_on_host(opts.dev))
+    return region_key(rg.gm, device=device.identity(opts.dev), options=opts.region_keyed(),
+                      host=device.runs_on_host(opts.dev))
+
+
+def compile_region(rg: Any, name: str, opts: Options, cache: Any) -> Any:
+    """One extracted region through the device: keyed by the framework (graph, arguments,
+    weights, options, rules, the device's identity), compiled by the device."""
+    device = opts.get_device()
+    key = region_cache_key(rg, opts)
     names = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
     region = devices.Region(rg.gm, name, key, names, dict(rg.sources))
     ctx = devices.Context(opts, opts.dev, None if opts.exporting else cache, opts.exporting)
-    c = device.compile(region, ctx)
+    # with a remote tier, one process of a fleet compiles the region; the others wait for it
+    with cache.compiling(key) if ctx.cache is not None else contextlib.nullcontext():
+        c = device.compile(region, ctx)
     if not isinstance(c, devices.Artifact) or not callable(c.executor):
         raise devices.DeviceError(f"device {device.name}: compile() returned {c!r:.80}; want "
                                   "an fxpass.device.Artifact with a callable executor")

@@ -18,6 +18,7 @@ temporary files of crashed writers swept after an hour.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -28,17 +29,17 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
-# 10: host models carry RotaryEmbedding, one-row regions prepack (tiered);
-# 9: host entries may be the lowering's own model ("optimized": false), small weights packed;
-# 5: host models carry the fused Attention; 4: fast checksums (digest.py) and cached plans;
-# 3: manifests with key
-CACHE_VERSION = "12"
+from fxpass.jit.verify import CACHE_VERSION, Checksum, file_checksum, tool_versions  # noqa: F401
+from fxpass.jit.verify import check_manifest as _check_manifest
+from fxpass.jit.verify import checksum as _checksum
+
 MAX_BYTES_ENV = "FXPASS_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file older than this was left by a crash
@@ -46,21 +47,14 @@ BUILD_PREFIX = ".build-"  # scratch directories of host builds, under the cache 
 _HEX = re.compile(r"[0-9a-f]+")
 # cache roots already warned about as unwritable in this process (warn once, not per region)
 _UNWRITABLE_WARNED: set[str] = set()
+#: (root, key, suffix) of every entry this process read or stored (``bundle.export_bundle``)
+USED: set[tuple[str, str, str]] = set()
 
 
 def default_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(os.environ.get("FXPASS_CACHE_DIR") or user_cache_dir("fxpass")) / "artifacts"
-
-
-def tool_versions() -> dict[str, str]:
-    """Versions of the framework's tools that shape every artifact (fxpass, torch, the cache
-    format). A device's own tools are in its identity (``Device.identity``), which every key
-    covers."""
-    import fxpass
-
-    return {"fxpass": fxpass.__version__, "torch": torch.__version__, "cache": CACHE_VERSION}
 
 
 @functools.cache
@@ -118,7 +112,8 @@ def region_key(gm: GraphModule, **context: Any) -> str:
 class ArtifactCache:
     """``get``/``put`` of bytes by key under ``root`` (atomic, verified, size-bounded)."""
 
-    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None,
+                 remote: str | None | bool = None):
         if isinstance(root, str) and not root.strip():
             # Path("") is the working directory: artifacts would litter wherever the user runs
             raise ValueError(
@@ -129,6 +124,19 @@ class ArtifactCache:
             )
         self.root = Path(root) if root is not None else default_dir()
         self.max_bytes = _max_bytes(max_bytes)
+        # the remote tier (remote.py): a URL, None for $FXPASS_REMOTE_CACHE, False for none
+        from fxpass.jit import remote as R
+
+        self.remote = None if remote is False else R.tier(R.url_from(remote or None))
+        self.origin: dict[str, str] = {}  # key -> "remote" once an artifact came from there
+        self.refused: dict[str, str] = {}  # key -> why the remote's entry was refused
+        self._tokens: dict[str, str] = {}  # compile locks held by this cache's compiles
+
+    def local_only(self) -> ArtifactCache:
+        """This cache without its remote tier (a build that must not publish)."""
+        c = copy.copy(self)
+        c.remote = None
+        return c
 
     def _paths(self, key: str, suffix: str) -> tuple[Path, Path]:
         d = self.root / key[:2]
@@ -158,7 +166,7 @@ class ArtifactCache:
         """(the bytes if ``read``, the size) of an entry its manifest vouches for, else None."""
         art, man = self._paths(key, suffix)
         try:
-            if not (art.is_file() and man.is_file()):
+            if not (art.is_file() and man.is_file()) and not self._pull(key, suffix):
                 return None
             raw = man.read_bytes()
             data = art.read_bytes() if read else None
@@ -171,7 +179,61 @@ class ArtifactCache:
             return self._corrupt(art, man, why)
         with contextlib.suppress(OSError):  # least-recently-used eviction reads the mtime
             os.utime(art)
+        USED.add((str(self.root), key, suffix))
         return data, size
+
+    def _pull(self, key: str, suffix: str) -> bool:
+        """Read-through: the remote's verified entry stored locally (not published back)."""
+        if self.remote is None:
+            return False
+        data, why = self.remote.fetch(key, suffix)
+        if why is not None:
+            self.refused[key] = f"{suffix}: {why}"
+        if data is None or self._store(key, suffix, (), data=data, publish=False) is None:
+            return False
+        self.origin[key] = "remote"
+        return True
+
+    def record(self, key: str, cached: bool) -> str:
+        """Where a region's artifact came from (reports, ``explain``), counted in
+        ``remote.STATS``: a local hit, a remote hit, or compiled (with the refusal, if any)."""
+        from fxpass.jit.remote import STATS
+
+        if cached:
+            where = "remote hit" if self.origin.get(key) == "remote" else "local hit"
+        else:
+            why = self.refused.get(key)
+            where = f"compiled (remote refused: {why})" if why else "compiled"
+        STATS["region_" + where.split(" (")[0].replace(" ", "_")] += 1
+        return where
+
+    def has(self, key: str, suffix: str) -> bool:
+        """Whether an entry exists here or in the remote tier (not verified: a hit does that)."""
+        art, man = self._paths(key, suffix)
+        if art.is_file() and man.is_file():
+            return True
+        return self.remote is not None and self.remote.exists(key, suffix)
+
+    @contextlib.contextmanager
+    def compiling(self, key: str) -> Iterator[None]:
+        """Around a region's lookup and compile: with a remote tier, one process of a fleet
+        compiles ``key`` while the others wait for its entry (bounded, ``remote.py``). A
+        compile that publishes later (a background build) keeps the lock: :meth:`hold`."""
+        token = self.remote.acquire(key) if self.remote is not None else None
+        if token is not None:
+            self._tokens[key] = token
+        try:
+            yield
+        finally:
+            token = self._tokens.pop(key, None)
+            if token is not None:
+                self.remote.release(key, token)
+
+    def hold(self, key: str) -> Callable[[], None]:
+        """Keep ``key``'s compile lock past :meth:`compiling`; call the result once the entry
+        is stored (or its build failed). Without a lock held, a no-op."""
+        token, remote = self._tokens.pop(key, None), self.remote
+        return (lambda: remote.release(key, token)) if token and remote else (lambda: None)
 
     def put(self, key: str, suffix: str, data: bytes, keep: tuple[str, ...] = ()) -> Path | None:
         """Store ``data``; return its path, or None when the cache cannot be written.
@@ -194,6 +256,7 @@ class ArtifactCache:
     def _store(
         self, key: str, suffix: str, keep: tuple[str, ...], data: bytes | None = None,
         src: str | os.PathLike | None = None, checksum: str | None = None,
+        publish: bool = True,
     ) -> Path | None:
         art, man = self._paths(key, suffix)
         try:
@@ -212,6 +275,9 @@ class ArtifactCache:
         except OSError as e:
             self.warn_unwritable(e)
             return None
+        USED.add((str(self.root), key, suffix))
+        if publish and self.remote is not None:  # write-through
+            self.remote.publish(key, suffix, manifest, data, art)
         self._evict(keep={key, *keep})
         return art
 
@@ -344,69 +410,6 @@ def _max_bytes(value: int | None) -> int:
             f"bytes (e.g. {DEFAULT_MAX_BYTES} for 2 GiB), or unset it for the default"
         )
     return n
-
-
-def _check_manifest(raw: bytes, digest: str, key: str, suffix: str) -> str | None:
-    """Why the manifest does not vouch for an artifact of checksum ``digest`` as
-    ``key``/``suffix``, or None if it does.
-
-    Checking the key and suffix catches an artifact filed under another key or kind (it would
-    run as this region); any malformed manifest is corruption, never an uncaught error.
-    """
-    try:
-        m = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        return f"unreadable manifest ({e})"
-    if not isinstance(m, dict):
-        return f"malformed manifest (a JSON {type(m).__name__}, not an object)"
-    fields = {"checksum": str, "key": str, "suffix": str, "tools": dict}
-    bad = [f for f, t in fields.items() if not isinstance(m.get(f), t)]
-    if bad:
-        return f"malformed manifest (missing or mistyped {', '.join(bad)})"
-    if m["key"] != key:
-        return f"manifest is for key {m['key'][:16]}..., filed under {key[:16]}..."
-    if m["suffix"] != suffix:
-        return f"manifest is for a {m['suffix']!r} artifact, not {suffix!r}"
-    if m["tools"] != tool_versions():
-        return "manifest records other tool versions than its key"
-    if digest != m["checksum"]:
-        return "checksum mismatch"
-    return None
-
-
-def _checksum(data: bytes) -> str:
-    """``"<algorithm>:<hex>"`` of ``data``: verified on every hit, so it uses the fast hash
-    (xxh3-128 reads a 290 MB artifact in ~0.1 s here; sha256 took 0.45 s). It guards against
-    torn or damaged files, not against someone who can write the cache directory."""
-    c = Checksum()
-    c.update(data)
-    return c.value()
-
-
-class Checksum:
-    """:func:`file_checksum` of bytes fed in order with :meth:`update`: a file's checksum made
-    while it is written, so it is not read back."""
-
-    def __init__(self) -> None:
-        from fxpass.jit.digest import HASH_NAME, hasher
-
-        self._h, self._name = hasher(), HASH_NAME
-
-    def update(self, data: Any) -> None:
-        self._h.update(data)
-
-    def value(self) -> str:
-        return f"{self._name}:{self._h.hexdigest()}"
-
-
-def file_checksum(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
-    """:func:`_checksum` of a file's contents, read in chunks into one reused buffer."""
-    c, buf = Checksum(), bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            c.update(view[:n])
-    return c.value()
 
 
 def _atomic_write(

@@ -39,6 +39,12 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "strict": (bool, "raise instead of falling back to eager"),
     "cache_dir": ((str, Path, type(None)), "artifact cache directory"),
     "cache": (bool, "use the artifact cache (default True)"),
+    "remote_cache": (
+        (str, type(None)),
+        "a Redis shared by a fleet under the artifact cache: redis://[user:password@]host:"
+        "6379/0 or rediss:// (TLS); default None: $FXPASS_REMOTE_CACHE, else none. Needs "
+        'pip install "fxpass[fleet]"',
+    ),
     "enable": ((list, tuple), "extra rule names to enable"),
     "disable": ((list, tuple), "rule names to disable"),
     "only": ((list, tuple), "run exactly these rules (instead of the device target's)"),
@@ -63,7 +69,7 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     ),
 }
 #: options that change no compiled result: left out of the plan's cache key
-NOT_KEYED = ("cache_dir", "max_variants", "max_shape_variants", "cpu_threads")
+NOT_KEYED = ("cache_dir", "remote_cache", "max_variants", "max_shape_variants", "cpu_threads")
 #: fields that are not options: set by export, and the device (keyed by its own rules)
 _NOT_OPTIONS = ("exporting", "device", "dev")
 #: the framework's options that shape one region's artifact (the device adds its own keyed)
@@ -78,6 +84,7 @@ class Options:
     strict: bool = False
     cache_dir: str | Path | None = None
     cache: bool = True
+    remote_cache: str | None = None
     enable: tuple[str, ...] | None = None
     disable: tuple[str, ...] | None = None
     only: tuple[str, ...] | None = None
@@ -169,10 +176,11 @@ def from_options(options: dict[str, Any] | Options | None,
         if opts.get(key) is not None:
             opts[key] = tuple(opts[key])
     dev_opts = dev.check_options(theirs)
-    if opts.get("cache", True):  # a bad cache_dir or FXPASS_CACHE_MAX_BYTES fails here
+    if opts.get("cache", True):  # a bad cache_dir, FXPASS_CACHE_MAX_BYTES or remote fails here
         from fxpass.jit.cache import ArtifactCache
 
-        ArtifactCache(opts.get("cache_dir"))
+        # (a remote cache without the redis client is one ImportError naming the extra)
+        ArtifactCache(opts.get("cache_dir"), remote=opts.get("remote_cache"))
     from fxpass import env
 
     # FXPASS_CHECK=1 asks for the checks as check=True does (read, and validated, here: the

@@ -382,6 +382,7 @@ def apply(
                     report.executor,
                     True,
                     fusions=c.fusions,
+                    source=cache.record(c.key or r["key"], True),
                 )
             )
             report.offloaded_call_nodes += r["offloaded_call_nodes"]

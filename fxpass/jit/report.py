@@ -25,6 +25,9 @@ class RegionReport:
     fallback: str | None = None
     fusions: dict[str, int] = field(default_factory=dict)  # host fusions that fired
     quant: Any = None  # calibration.QuantInfo when the region is quantized (issue 11)
+    #: where its artifact came from: "local hit", "remote hit", "compiled", or
+    #: "compiled (remote refused: <why>)" (``ArtifactCache.record``); "" without a cache
+    source: str = ""
 
 
 @dataclass
@@ -67,7 +70,8 @@ class GraphReport:
         for r in self.regions:
             lines.append(
                 f"  {r.name}: {r.nodes} nodes, {r.macs / 1e6:.2f} MMACs, {r.inputs} in /"
-                f" {r.outputs} out, {r.executor}{' (cached)' if r.cached else ''}"
+                f" {r.outputs} out, {r.executor}"
+                f"{f' ({r.source})' if r.source else ' (cached)' if r.cached else ''}"
                 f"{' FALLBACK: ' + r.fallback if r.fallback else ''}"
             )
             if r.fusions:
