@@ -92,7 +92,9 @@ def compile_ort(
     that first tier's model (``.fast.onnx``, kilobytes), so a hit opens it at once too."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     if cache is not None:
-        hit = cached_ort(cache, key, input_names, threads, buffers, tiered)
+        check = _unchanged(rg, buffers)
+        hit = cached_ort(cache, key, input_names, threads, buffers, tiered, rebuild=lambda: (
+            _rebuild(rg, name, key, input_names, cache, threads, fuse, rows, buffers, check)))
         if hit is not None:
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
@@ -111,21 +113,17 @@ def compile_ort(
             fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False,
                                arena=False)
             fast_meta = {n: attrs[n] for n in shared}  # input -> region attribute
-            keyed = {c: tensor_digest(t) for c, t in buffers.items()}  # memoized by the key
-
-            def unchanged() -> None:
-                """The first call has returned, so the caller may have written a weight
-                meanwhile (through .data, which no version counter sees): then the files
-                hold values the key does not name. Checked before the entry is published."""
-                changed = [c for c, t in buffers.items() if fresh_digest(t) != keyed[c]]
-                if changed:
-                    raise RuntimeError(
-                        f"weight {rg.sources[changed[0]]!r} changed while the prepacked "
-                        "session was built; its entry is discarded")
+            unchanged = _unchanged(rg, buffers)
+            # a fleet's other processes wait for this entry (remote tier): until it is stored
+            done = cache.hold(key) if cache is not None else (lambda: None)
 
             def second() -> Any:
-                return build_ort(rg, key, input_names, cache, threads, proto, weights,
-                                  buffers, fusions, (data, fast_meta), unchanged, rows).executor
+                try:
+                    return build_ort(rg, key, input_names, cache, threads, proto, weights,
+                                     buffers, fusions, (data, fast_meta), unchanged,
+                                     rows).executor
+                finally:
+                    done()
 
             size = len(data) + sum(t.numel() * t.element_size() for t in shared.values())
             return Compiled(TieredExecutor(fast, second, name), key, False, size, fusions)
@@ -133,6 +131,45 @@ def compile_ort(
                           rows=rows)
     return build_ort(rg, key, input_names, cache, threads, proto, weights, buffers,
                       None if fuse else {}, rows=rows)
+
+
+def _unchanged(rg: RegionGraph, buffers: dict[str, torch.Tensor]) -> Any:
+    """A check that the region's weights still hold what its key names (memoized digests)."""
+    keyed = {c: tensor_digest(t) for c, t in buffers.items()}
+
+    def unchanged() -> None:
+        """The first call has returned, so the caller may have written a weight meanwhile
+        (through .data, which no version counter sees): then the files hold values the key
+        does not name. Checked before the entry is published."""
+        changed = [c for c, t in buffers.items() if fresh_digest(t) != keyed[c]]
+        if changed:
+            raise RuntimeError(f"weight {rg.sources[changed[0]]!r} changed while the prepacked "
+                               "session was built; its entry is discarded")
+    return unchanged
+
+
+def _rebuild(
+    rg: RegionGraph, name: str, key: str, input_names: list[str], cache: ArtifactCache,
+    threads: int | None, fuse: bool, rows: int | None, buffers: dict[str, torch.Tensor],
+    check: Any,
+) -> OrtExecutor:
+    """The prepacked second tier of an entry whose weights file is not here: a remote cache
+    publishes the region's models (kilobytes), not the weights file (the size of the weights:
+    prepacked weights every client makes from its own). Built from this graph's weights as a
+    cold compile's second tier is, in the background, and stored locally only."""
+    from fxpass.jit.remote import STATS
+
+    STATS["region_weights_rebuilt"] += 1
+    proto, weights = lower_weightless(rg.gm, name=name, gemm=True)
+    if rows is None and casts_in_place(weights, buffers):
+        rows = 1
+    fusions: dict[str, int] = {}
+    if fuse:
+        proto, fusions, weights = _fused(proto, weights)
+    first = in_place_model(proto, weights, buffers)
+    fast = (first[0], {n: first[2][n] for n in first[1]}) if first is not None else None
+    return build_ort(rg, key, input_names, cache.local_only(), threads, proto, weights,
+                     buffers, fusions, fast, check, rows).executor
 
 
 def _fused(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ def cached_ort(
     threads: int | None,
     weights: dict[str, torch.Tensor],
     tiered: bool = True,
+    rebuild: Callable[[], OrtExecutor] | None = None,
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager.
 
@@ -46,7 +48,10 @@ def cached_ort(
     entries are misses now.)
     A tiered entry (``FAST_SUFFIX``) opens its first tier here and verifies and opens the
     prepacked model in the background; if that fails, the entry is discarded (the next process
-    compiles it again) and the first tier keeps running."""
+    compiles it again) and the first tier keeps running.
+    ``rebuild``: builds the prepacked session from this graph's own weights when the entry's
+    weights file is not here (a remote cache publishes no weights, ``fxpass.jit.remote``);
+    without it, such an entry is a miss."""
     hit = cache.get_path(key, ".host.onnx")
     info = cache.get(key, ".host.json")
     if hit is None or info is None:
@@ -77,6 +82,8 @@ def cached_ort(
         external = meta.get("weights")  # entries before the weights file: none
         if external is not None and external != WEIGHTS_SUFFIX:
             raise ValueError(f"weights file suffix {external!r:.40} is not {WEIGHTS_SUFFIX}")
+        if rebuild is None and external is not None and not cache.has(key, WEIGHTS_SUFFIX):
+            return None  # a remote entry's weights stay with each client: compile here
         optimized = meta.get("optimized", True)  # entries before unoptimized ones: all were
         if not isinstance(optimized, bool):
             raise ValueError(f"optimized is not a bool: {optimized!r:.40}")
@@ -124,7 +131,9 @@ def cached_ort(
                 return second(strict=True)
             except Exception:
                 cache.discard(key, ".host.json")  # the next process compiles it again
-                raise
+                if rebuild is None:
+                    raise
+                return rebuild()
         return Compiled(TieredExecutor(first, build, key[:12]), key, True, size, fusions)
     ex = second(strict=False)
     return None if ex is None else Compiled(ex, key, True, size, fusions)

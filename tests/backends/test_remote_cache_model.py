@@ -1,0 +1,185 @@
+"""The remote artifact cache with real compiles on a real redis-server: a fresh machine takes
+its regions from the fleet (its prepacked weights rebuilt from its own weights), a damaged
+entry is refused and compiled, reports and ``explain``'s lookup say where each region came
+from; slow tier: 8 processes on an empty Redis compile each region once, and a bundle
+preloads a fresh process that then compiles nothing."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("redis")
+
+import fxpass  # noqa: E402
+import fxpass.tools.zoo as zoo  # noqa: E402
+from fxpass.jit import remote as R  # noqa: E402
+from fxpass.jit.cache import ArtifactCache  # noqa: E402
+from fxpass.testing.redis_server import RedisServer  # noqa: E402
+
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed", allow_module_level=True)
+
+#: a model whose region is tiered (first tier from the published model, weights rebuilt)
+MODEL = dict(layers=1, hidden=256, heads=4, kv_heads=2, vocab=512)
+#: publish models and plans, never the weights file (as for a real model's 100 MB)
+ENV = {R.MAX_BYTES_ENV: str(256 * 1024)}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as r:
+        yield r
+
+
+@pytest.fixture
+def fleet(server, monkeypatch):
+    """An empty Redis, a new tier URL, a tiered region even for a small model."""
+    from fxpass.backends.onnx.host import prepare
+
+    server.client().flushall()
+    url = f"{server.url}?client_name=m{os.getpid()}{id(monkeypatch)}"
+    monkeypatch.setenv(R.MAX_BYTES_ENV, ENV[R.MAX_BYTES_ENV])
+    monkeypatch.setattr(prepare, "TIER_MIN_BYTES", 0)
+    return url
+
+
+def _compile(cache_dir, url):
+    from fxpass.backends.bpu import settle
+
+    torch._dynamo.reset()
+    model, kw = zoo.get("qwen3", **MODEL)
+    with torch.no_grad():
+        ref = model(**kw).logits
+        f = torch.compile(model, backend="fxpass_bpu", dynamic=False,
+                          options={"min_compute_macs": 0, "cache_dir": str(cache_dir),
+                                   "remote_cache": url, "executor": "onnxruntime"})
+        out = f(**kw).logits
+        settle()  # the second tier (and its entry) built
+        again = f(**kw).logits
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, ref, atol=1e-4, rtol=1e-4)
+    return fxpass.compile_reports()[-1]
+
+
+def _region_key(server):
+    keys = [k.decode() for k in server.client().scan_iter(match="fxpass:a:*.host.json")]
+    assert len(keys) == 1, keys
+    return keys[0][len("fxpass:a:"):-len(".host.json")]
+
+
+def test_fresh_machine_takes_its_regions_from_the_fleet(tmp_path, fleet, server):
+    before = R.STATS.copy()
+    rep = _compile(tmp_path / "a", fleet)
+    assert [r.source for r in rep.regions] == ["compiled"]
+    key = _region_key(server)
+    c = server.client()
+    assert c.exists(f"fxpass:a:{key}.host.onnx") and c.exists(f"fxpass:a:{key}.fast.onnx")
+    assert not c.exists(f"fxpass:a:{key}.host.bin")  # the weights file stays with each client
+    # the entry is far smaller than the weights
+    published = sum(c.strlen(k) for k in c.scan_iter(match="fxpass:a:*"))
+    weights = (tmp_path / "a" / key[:2] / f"{key}.host.bin").stat().st_size
+    assert published < weights / 2
+    assert R.locate(ArtifactCache(tmp_path / "b", remote=fleet), key) == "remote hit"
+    assert R.locate(ArtifactCache(tmp_path / "a", remote=False), key) == "local hit"
+
+    mid = R.STATS.copy()
+    rep = _compile(tmp_path / "b", fleet)  # a new machine: empty local cache, warm Redis
+    assert [r.source for r in rep.regions] == ["remote hit"]
+    assert "remote hit" in str(rep)
+    assert R.STATS["region_compiled"] == mid["region_compiled"] == before["region_compiled"] + 1
+    assert R.STATS["region_weights_rebuilt"] == mid["region_weights_rebuilt"] + 1
+    # its weights file was rebuilt locally: the next process there is a local hit
+    assert (tmp_path / "b" / key[:2] / f"{key}.host.bin").is_file()
+    rep = _compile(tmp_path / "b", fleet)
+    assert [r.source for r in rep.regions] == ["local hit"]
+
+
+def test_damaged_remote_entry_is_refused_and_compiled(tmp_path, fleet, server):
+    _compile(tmp_path / "a", fleet)
+    key = _region_key(server)
+    c = server.client()
+    name = f"fxpass:a:{key}.host.onnx"
+    raw = c.get(name)
+    c.set(name, raw[:-100] + bytes([raw[-100] ^ 0xFF]) + raw[-99:])  # one flipped byte
+    assert "checksum mismatch" in R.locate(ArtifactCache(tmp_path / "x", remote=fleet), key)
+    before = R.STATS.copy()
+    with pytest.warns(UserWarning, match="refused"):
+        rep = _compile(tmp_path / "b", fleet)  # equal to eager, checked inside
+    assert rep.regions[0].source.startswith("compiled (remote refused: .host.onnx: checksum")
+    assert R.STATS["region_compiled"] == before["region_compiled"] + 1
+    assert R.STATS["remote_refused"] > before["remote_refused"]
+    # the local compile published a good entry over the bad one
+    assert R.tier(fleet).unpack(c.get(name), key, ".host.onnx")[1] is None
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, torch
+    import fxpass.tools.zoo as zoo
+    from fxpass.backends.onnx.host import prepare
+    prepare.TIER_MIN_BYTES = 0
+    spec = json.loads(sys.argv[1])
+    if spec.get("import"):
+        from fxpass.jit.bundle import import_bundle
+        assert not import_bundle(spec["import"], spec["cache"])["refused"]
+    model, kw = zoo.get("qwen3", **spec["model"])
+    opts = {"min_compute_macs": 0, "cache_dir": spec["cache"], "executor": "onnxruntime"}
+    if spec.get("url"):
+        opts["remote_cache"] = spec["url"]
+    with torch.no_grad():
+        ref = model(**kw).logits
+        out = torch.compile(model, backend="fxpass_bpu", dynamic=False, options=opts)(**kw)
+    from fxpass.backends.bpu import settle
+    settle()
+    if spec.get("export"):
+        from fxpass.jit.bundle import export_bundle
+        export_bundle(spec["export"], spec["cache"])
+    from fxpass.jit.backend import CACHE_STATS, STATS
+    print("RESULT " + json.dumps({"err": (out.logits - ref).abs().max().item(),
+                                  "cache": dict(CACHE_STATS), "stats": dict(STATS)}))
+""")
+
+
+def _children(specs, env=None):
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(s)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, **ENV, **(env or {})}) for s in specs]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0, stderr[-3000:]
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
+        out.append(json.loads(line[len("RESULT "):]))
+    return out
+
+
+@pytest.mark.slow
+def test_eight_processes_on_an_empty_redis_compile_each_region_once(tmp_path, server):
+    server.client().flushall()
+    specs = [{"model": MODEL, "cache": str(tmp_path / f"c{i}"), "url": server.url}
+             for i in range(8)]
+    res = _children(specs)
+    assert all(r["err"] < 1e-4 for r in res)
+    compiled = sum(r["cache"].get("region_compiled", 0) for r in res)
+    remote = sum(r["cache"].get("region_remote_hit", 0) for r in res)
+    assert compiled == 1, [r["cache"] for r in res]
+    assert remote == 7
+    assert sum(r["cache"].get("lock_timeouts", 0) for r in res) == 0
+
+
+@pytest.mark.slow
+def test_bundle_preloads_a_process_that_compiles_nothing(tmp_path):
+    bundle = str(tmp_path / "warm.tar")
+    (first,) = _children([{"model": MODEL, "cache": str(tmp_path / "a"), "export": bundle}])
+    assert first["cache"].get("region_compiled") == 1
+    (second,) = _children([{"model": MODEL, "cache": str(tmp_path / "new"), "import": bundle}])
+    assert second["err"] < 1e-4
+    assert second["cache"].get("region_compiled", 0) == 0
+    assert second["cache"].get("region_weights_rebuilt", 0) == 0
+    assert second["cache"]["region_local_hit"] == 1
+    assert second["stats"].get("plan_hit") == 1 and not second["stats"].get("rules")
