@@ -1,5 +1,6 @@
-"""The ``fxpass`` command: ``rules`` (rules, targets and devices), ``--version``, and the
-commands plugins add."""
+"""The ``fxpass`` command: ``rules`` (rules, targets and devices), ``cache export`` /
+``cache import`` (a portable bundle of the artifact cache), ``--version``, and the commands
+plugins add."""
 
 from __future__ import annotations
 
@@ -49,6 +50,24 @@ def cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    """``fxpass cache export OUT`` / ``import IN``: every verified entry of a cache directory
+    into one file, and back (verified again) on a machine without the network or Redis."""
+    from .jit.bundle import export_bundle, import_bundle
+
+    if args.action == "export":
+        s = export_bundle(args.path, args.cache_dir, used_only=False)
+        print(f"exported {s['entries']} entries ({s['bytes'] / 1e6:.1f} MB) to {args.path}"
+              + (f"; left out {len(s['skipped'])} that failed verification" if s["skipped"]
+                 else ""))
+        return 0
+    s = import_bundle(args.path, args.cache_dir)
+    print(f"imported {s['imported']} entries ({s['bytes'] / 1e6:.1f} MB) from {args.path}")
+    for why in s["refused"]:
+        print(f"refused {why}", file=sys.stderr)
+    return 1 if s["refused"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The core's own commands, plus every command a plugin contributes (``fxpass_commands``).
 
@@ -66,8 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fxpass {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("rules", help="list every loaded rule with its plugin, roots and description")
+    c = sub.add_parser("cache", help="export the artifact cache to a bundle file, or import one")
+    c.add_argument("action", choices=["export", "import"])
+    c.add_argument("path", help="the bundle file (a tar) to write or read")
+    c.add_argument("--cache-dir", default=None,
+                   help="the cache directory (default: $FXPASS_CACHE_DIR or the user cache)")
     for name, c in sorted(commands.items()):
-        if name == "rules":
+        if name in ("rules", "cache"):
             continue  # the core's own command wins; load() already named both plugins
         c.arguments(sub.add_parser(name, help=f"{c.help} [plugin {c.plugin}]"))
     return p
@@ -77,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "rules":
         return cmd_rules(args)
+    if args.cmd == "cache":
+        return cmd_cache(args)
     from .plugins import load
 
     return load().commands[args.cmd].run(args)

@@ -155,6 +155,7 @@ def explain(
     threshold = min_region_macs(opts)
     rules = select_rules(target=dev.target, enable=opts.enable, disable=opts.disable,
                          only=opts.only)
+    where = _cache_lookup(options or {}, opts)
     for gi, c in enumerate(graphs):
         gm = c.gm
         step(f"graph {gi}: rewriting {len(gm.graph.nodes)} nodes to fixpoint")
@@ -173,6 +174,7 @@ def explain(
                     "macs": r.macs,
                     "inputs": [f"{i.name}: {_desc(i)}" for i in rg.inputs],
                     "outputs": [f"{o.name}: {_desc(o)}" for o in rg.outputs],
+                    "cache": where(rg),
                 }
             )
         cpu: dict[str, list[str]] = defaultdict(list)
@@ -259,6 +261,20 @@ def _render_quant(q: list[dict[str, Any]], config: str) -> list[str]:
     return lines
 
 
+def _cache_lookup(options: dict[str, Any], opts: Any) -> Any:
+    """``rg -> where a compile would take it from`` (local hit, remote hit, remote refused
+    with the reason, or compiled; ``remote.locate``), or "" for each region when the user's
+    options turn the cache off. Read-only: explain compiles and stores nothing."""
+    if not options.get("cache", True):
+        return lambda rg: ""
+    from fxpass.jit.backend import region_cache_key
+    from fxpass.jit.cache import ArtifactCache
+    from fxpass.jit.remote import locate
+
+    cache = ArtifactCache(options.get("cache_dir"), remote=options.get("remote_cache"))
+    return lambda rg: locate(cache, region_cache_key(rg, opts))
+
+
 def _desc(n: Any) -> str:
     v = n.meta.get("val")
     return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}" if hasattr(v, "shape") else "?"
@@ -279,7 +295,8 @@ def render(info: dict[str, Any]) -> str:
             "  rewrites: " + (", ".join(f"{k} x{v}" for k, v in g["rewrites"].items()) or "none")
         )
         for r in g["regions"]:
-            lines.append(f"  region {r['id']}: {r['nodes']} nodes, {r['macs'] / 1e6:.2f} MMACs")
+            lines.append(f"  region {r['id']}: {r['nodes']} nodes, {r['macs'] / 1e6:.2f} MMACs"
+                         + (f"; cache: {r['cache']}" if r.get("cache") else ""))
             lines.append(f"    in:  {', '.join(r['inputs']) or '-'}")
             lines.append(f"    out: {', '.join(r['outputs'])}")
         for why, names in sorted(g["cpu"].items(), key=lambda kv: -len(kv[1])):
