@@ -118,6 +118,53 @@ def test_damaged_remote_entry_is_refused_and_compiled(tmp_path, fleet, server):
     assert R.tier(fleet).unpack(c.get(name), key, ".host.onnx")[1] is None
 
 
+@pytest.mark.slow
+def test_redis_killed_mid_run(tmp_path, monkeypatch):
+    from fxpass.backends.onnx.host import prepare
+
+    monkeypatch.setattr(prepare, "TIER_MIN_BYTES", 0)
+    r = RedisServer()
+    try:
+        _compile(tmp_path / "a", r.url)  # publishes
+        r.proc.kill()
+        r.proc.wait(timeout=10)
+        with pytest.warns(UserWarning, match="unusable") as w:
+            rep = _compile(tmp_path / "b", r.url)  # equal to eager, checked inside
+        assert [x for x in w if "unusable" in str(x.message)][1:] == []  # one warning
+        assert [g.source for g in rep.regions] == ["compiled"]
+    finally:
+        r.stop()
+
+
+def test_explain_says_where_each_region_comes_from(tmp_path, fleet, server, monkeypatch):
+    """explain looks each region's key up in both tiers, compiling and storing nothing."""
+    from fxpass.jit import backend as B
+    from fxpass.tools import explain as E
+
+    keys = []
+    real = B.region_cache_key
+    monkeypatch.setattr(B, "region_cache_key", lambda rg, o: keys.append(real(rg, o)) or keys[-1])
+    options = {"min_compute_macs": 0, "cache_dir": str(tmp_path / "e"), "remote_cache": fleet}
+    info = E.explain("qwen3-tiny", "bpu", options, progress=False)
+    assert [r["cache"] for g in info["graphs"] for r in g["regions"]] == ["compiled"]
+    assert "cache: compiled" in E.render(info)
+    assert not list((tmp_path / "e").glob("*/*"))  # nothing stored
+    key = keys[-1]
+    monkeypatch.setattr(B, "region_cache_key", lambda rg, o: key)  # the same region again
+
+    def where():
+        return E._cache_lookup(options, None)(None)
+
+    ArtifactCache(tmp_path / "pub", remote=fleet).put(key, ".x", b"artifact")
+    assert where() == "remote hit"  # another machine published it
+    assert where() == "remote hit"  # the lookup stored nothing locally
+    ArtifactCache(tmp_path / "e", remote=False).put(key, ".x", b"artifact")
+    assert where() == "local hit"
+    server.client().set(f"fxpass:a:{key}.y", b"garbage")
+    options["cache_dir"] = str(tmp_path / "other")
+    assert where() == "compiled (remote refused: .y: truncated entry (7 bytes))"
+
+
 CHILD = textwrap.dedent("""
     import json, os, sys, torch
     import fxpass.tools.zoo as zoo
