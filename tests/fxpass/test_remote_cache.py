@@ -161,6 +161,22 @@ def test_redis_killed_mid_run(tmp_path):
         r.stop()
 
 
+def test_slow_redis_is_bounded_by_the_timeout(tmp_path):
+    import threading
+
+    with RedisServer("--enable-debug-command", "yes") as r:
+        url = f"{r.url}?socket_timeout=0.2&socket_connect_timeout=0.2"
+        a = ArtifactCache(tmp_path / "a", remote=url)
+        busy = threading.Thread(target=lambda: r.client().execute_command("DEBUG", "SLEEP", "1"))
+        busy.start()
+        time.sleep(0.1)
+        with pytest.warns(UserWarning, match="unusable.*Timeout"):
+            assert a.get(KEY, ".x") is None  # answered by the timeout, not the server
+        assert busy.is_alive()  # the server was still asleep
+        busy.join()
+        assert a.put(KEY, ".x", b"local") is not None
+
+
 def test_redis_full_stops_publishing(tmp_path):
     with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as r:
         a = ArtifactCache(tmp_path / "a", remote=r.url)
