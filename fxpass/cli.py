@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["export", "import"])
     c.add_argument("path", help="the bundle file (a tar) to write or read")
     c.add_argument("--cache-dir", default=None,
-                   help="the cache directory (default: $FXPASS_CACHE_DIR or the user cache)")
+                   help="the cache directory, as the cache_dir option names it (default: "
+                        "$FXPASS_CACHE_DIR/artifacts, else the user cache directory's)")
     for name, c in sorted(commands.items()):
         if name in ("rules", "cache"):
             continue  # the core's own command wins; load() already named both plugins
