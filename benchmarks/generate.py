@@ -141,21 +141,29 @@ def _word_tokenizer(vocab: int) -> Any:
 
 
 class GenAI:
-    """ONNX Runtime GenAI on the same weights: builder (fp32, cpu) + Generator."""
+    """ONNX Runtime GenAI on the same weights: builder (``precision``, cpu) + Generator.
+    ``extra``: the builder's ``--extra_options`` (``int4_block_size=32`` ...); ``tokenizer``:
+    the model's own (a random-weight model gets a word-per-id stand-in)."""
 
-    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, max_len: int):
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, max_len: int,
+                 precision: str = "fp32", extra: tuple[str, ...] = (), tokenizer: Any = None):
         import onnxruntime_genai as og
 
         self.tmp = tempfile.TemporaryDirectory()
         src, out = Path(self.tmp.name) / "hf", Path(self.tmp.name) / "ort"
         model.save_pretrained(src)
-        _word_tokenizer(model.config.vocab_size).save_pretrained(src)
+        (tokenizer or _word_tokenizer(model.config.vocab_size)).save_pretrained(src)
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
-               "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(Path(self.tmp.name) / "c")]
+               "-o", str(out), "-p", precision, "-e", "cpu", "-c",
+               str(Path(self.tmp.name) / "c"), *(["--extra_options", *extra] if extra else [])]
         built = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if built.returncode:
             tail = (built.stderr or built.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"onnxruntime_genai builder failed: {' | '.join(tail)}")
+        import shutil
+
+        shutil.rmtree(src)  # its weights: the directory's size is the build's alone
+        self.dir, self.config = out, model.config
         self.og, self.model = og, og.Model(str(out))
         self.ids, self.max_len = ids[0].tolist(), max_len
 

@@ -130,7 +130,7 @@ def run_case(case: str) -> dict:
         base(), backend="fxpass_bpu", options={"max_shape_variants": len(inputs)})
     if case == "bert":
         for name, spec in SPECS.items():
-            makers[name] = lambda spec=spec: compile_for_encoder(base(), buckets=spec)
+            makers[name] = lambda spec=spec: compile_for_encoder(base(), buckets=spec, device="bpu")
     rows = []
     for name, make in makers.items():
         print(f"[shapes] {case} {name} ...", file=sys.stderr, flush=True)

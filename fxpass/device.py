@@ -246,6 +246,14 @@ class Device:
         """The quantization config the device needs (an integer engine), or None."""
         return None
 
+    def calibrates(self, opts: Any) -> bool:
+        """Whether regions compiled with ``opts`` need calibration data before they can be
+        saved (``export(..., calibration=)``): by default, a ``quantize`` option that is set,
+        or a required quantization. A device whose quantization needs no data (weight-only)
+        says False for it."""
+        return (getattr(opts, "quantize", None) not in (None, False)
+                or self.requires_quantization(opts) is not None)
+
     def prepare(self, opts: Any) -> None:
         """Called once per ``torch.compile`` graph before tracing: raise if the device's
         compiler is missing (naming how to install it); start loading a runtime."""

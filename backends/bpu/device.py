@@ -24,6 +24,8 @@ EXECUTORS = ("auto", "hbdnn", "onnxruntime")
 #: The original pull request measured ~0.8 ms per BPU submission; 100M MACs keeps a region
 #: well above that. The host stand-in takes the ``ort`` device's threshold.
 BOARD_MIN_MACS = 100_000_000
+#: the ``ort`` device's weight-only fields: host formats, not the board's
+WEIGHT_ONLY_FIELDS = ("block_size", "symmetric", "accuracy_level", "algorithm")
 
 
 @dataclass(frozen=True)
@@ -75,15 +77,28 @@ class BpuDevice(Device):
         return {"march": (str, f"target march, one of {sorted(CORES)} (default "
                           f"{DEFAULT_MARCH})"),
                 "executor": (str, f"one of {EXECUTORS} (default auto)"),
-                **self.host_device.OPTIONS}
+                **{k: v for k, v in self.host_device.OPTIONS.items()
+                   if k not in WEIGHT_ONLY_FIELDS}}
 
     unkeyed = OrtDevice.unkeyed
 
     def check_options(self, raw: dict[str, Any]) -> Any:
         from fxpass.backends.bpu.capability import march
 
+        host_only = sorted(set(raw) & set(WEIGHT_ONLY_FIELDS))
+        if host_only:
+            raise TypeError(
+                f"fxpass_bpu option {host_only[0]!r} belongs to weight-only quantization, a "
+                "host format the board does not run: drop it, or use device 'ort' "
+                "(backend='fxpass_ort') for weight-only decode on the host")
         opts = OrtDevice.check_options(self, raw)  # the host's checks, on the BPU's fields
         march(opts.march)  # ValueError naming the known marches
+        if isinstance(opts.quantize, str) and opts.quantize in ("w4", "w8"):
+            raise TypeError(
+                f"fxpass_bpu option 'quantize': {opts.quantize!r} is the host's weight-only "
+                "format, which the board does not run (its MAC ops take calibrated int8 weights "
+                "and int8/int16 activations): use 'w8a8' or 'w8a16' here, or device 'ort' "
+                "(backend='fxpass_ort') for weight-only decode on the host")
         if opts.executor not in EXECUTORS:
             raise TypeError(f"fxpass_bpu option 'executor' must be one of {EXECUTORS}, got "
                             f"{opts.executor!r}")

@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
+import onnx
+
 from fxpass.backends.onnx import quantize as Q
+from fxpass.backends.onnx import weight_only as W
 from fxpass.backends.onnx.calibration import QuantInfo, QuantizingExecutor
-from fxpass.backends.onnx.host.build import build_ort, compile_ort, quantized_ort
+from fxpass.backends.onnx.host.build import _fused, build_ort, compile_ort, quantized_ort
 from fxpass.backends.onnx.host.ort import OrtExecutor
-from fxpass.backends.onnx.lowering import lower, lower_weightless
+from fxpass.backends.onnx.lowering import lower, lower_weightless, write_weights
 from fxpass.device import Context, Region
-from fxpass.jit.cache import ArtifactCache
+from fxpass.jit.cache import ArtifactCache, warn_unloadable
 from fxpass.jit.runtime import Compiled
 
 
@@ -47,6 +50,9 @@ def compile_region(region: Region, ctx: Context, *, march: str = "host",
     o = ctx.device_options
     rg, name, key, keep = region, region.name, region.key, ctx.keep
     cache = None if keep else ctx.cache
+    wq = W.from_options(o)
+    if wq is not None:
+        return compile_weight_only(rg, ctx, wq)
     cfg = Q.resolve_config(o.quantize if o.quantize is not None else quantize)
     if cfg is None and board is not None:
         cfg = Q.CONFIGS[Q.DEFAULT_CONFIG]
@@ -114,3 +120,48 @@ def quantized_key(float_key: str, cfg: Q.QuantConfig, digest: str, variant: str 
     return hashlib.blake2b(text.encode(), digest_size=24).hexdigest()
 
 
+
+
+def compile_weight_only(rg: Region, ctx: Context, cfg: W.WeightOnly) -> Compiled:
+    """A region whose large MatMuls read int8/int4 weights (``weight_only``), as one
+    onnxruntime session. The lowering keeps ``MatMul`` over the transposed weight (the form
+    onnxruntime's quantizer takes), the host fusions run on the weightless model, then the
+    weights go in and are quantized. The cache keeps the quantized model (its weights inside,
+    a quarter or an eighth of the float bytes) under the region's key, which covers the
+    options. ``ctx.keep`` (export): ``Compiled.data`` is the weightless quantized model and
+    its weights, which the package writes once across regions and programs."""
+    o, name, key = ctx.device_options, rg.name, rg.key
+    cache = None if ctx.keep else ctx.cache
+    if cache is not None:
+        data, meta = cache.get(key, ".wq.onnx"), cache.get(key, ".wq.json")
+        if data is not None and meta is not None:
+            try:
+                fusions = json.loads(meta)["fusions"]
+                ex = OrtExecutor(data, rg.input_names, threads=o.threads)
+                return Compiled(ex, key, True, len(data), fusions)
+            except Exception as e:  # noqa: BLE001 - a cached entry that does not load: rebuild
+                warn_unloadable(cache.path(key, ".wq.onnx"), e)
+    proto, weights = lower_weightless(rg.gm, name=name)
+    fusions: dict[str, int] = {}
+    if o.host_fusions:
+        proto, fusions, weights = _fused(proto, weights)
+    qproto, summary = W.quantize_model(write_weights(proto, weights), cfg)
+    del proto, weights
+    fusions = {**fusions, f"matmul_nbits_{cfg.name}": summary["matmul_nbits"],
+               "matmul_nbits_kernels": summary["kernels"],
+               **{f"kept_float ({why})": n for why, n in summary["kept_float"].items()}}
+    kept = None
+    if ctx.keep:
+        external = W.split_weights(qproto)
+        weightless = onnx.ModelProto()
+        weightless.CopyFrom(qproto)
+        for t in weightless.graph.initializer:
+            if t.name in external:
+                t.ClearField("raw_data")
+        kept = (weightless, external)
+    data = qproto.SerializeToString()
+    del qproto
+    ex = OrtExecutor(data, rg.input_names, threads=o.threads)
+    if cache is not None and cache.put(key, ".wq.onnx", data) is not None:
+        cache.put(key, ".wq.json", json.dumps({"fusions": fusions, **summary}).encode())
+    return Compiled(ex, key, False, len(data), fusions, kept)

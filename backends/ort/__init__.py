@@ -18,8 +18,10 @@ from torch.fx import Node
 from fxpass.device import Artifact, Context, Device, DeviceError, Files, Region, check_threads
 
 QUANTIZE_HELP = (
-    "quantize regions: 'w8a16' (int8 per-channel weights, int16 activations), 'w8a8', "
-    "True (w8a16) or {'config', 'method', 'percentile'}; calibrate with "
+    "quantize regions: 'w4' / 'w8' (weight-only int4/int8 blocks, onnxruntime's MatMulNBits; "
+    "no calibration: the fast decode path on the host), or calibrated Q/DQ like the board: "
+    "'w8a16' (int8 per-channel weights, int16 activations), 'w8a8', True (w8a16) or "
+    "{'config', 'method', 'percentile'}, calibrated with "
     "fxpass.backends.onnx.calibration.calibrate(fn, batches) (default None)")
 
 
@@ -30,6 +32,10 @@ class OrtOptions:
     tiered: bool = True
     prepack_one_row: bool = True
     quantize: str | dict | bool | None = None
+    block_size: int | None = None
+    symmetric: bool | None = None
+    accuracy_level: int | None = None
+    algorithm: str | None = None
 
 
 class OrtDevice(Device):
@@ -49,6 +55,13 @@ class OrtDevice(Device):
                             "faster, a packed copy of the weights per region); False reads them "
                             "in place and holds no copy"),
         "quantize": ((str, dict, bool, type(None)), QUANTIZE_HELP),
+        "block_size": ((int, type(None)), "weight-only: weights per scale, a power of two >= 16 "
+                       "(default 32, GenAI's; onnxruntime's own is 128)"),
+        "symmetric": ((bool, type(None)), "weight-only: no zero points (default True)"),
+        "accuracy_level": ((int, type(None)), "weight-only: MatMulNBits' compute type, 4 int8 "
+                           "activations (default, the fast CPU path), 1 fp32, 0 the kernel's"),
+        "algorithm": ((str, type(None)), "weight-only: 'rtn' (round to nearest, default) or "
+                      "'hqq' (half-quadratic, w4 only)"),
     }
     unkeyed = ("tiered", "threads")
     modules = ("fxpass.backends.onnx", "fxpass.backends.ort")
@@ -58,19 +71,27 @@ class OrtDevice(Device):
     host = True
 
     def check_options(self, raw: dict[str, Any]) -> Any:
+        from fxpass.backends.onnx import weight_only
         from fxpass.backends.onnx.quantize import QuantizationError, resolve_config
 
         opts = Device.check_options(self, raw)
         check_threads(opts.threads, "threads", f"fxpass_{self.name}", "onnxruntime")
         try:  # a bad quantize value fails here, not per region
-            resolve_config(opts.quantize)
+            if weight_only.from_options(opts) is None:
+                resolve_config(opts.quantize)
         except QuantizationError as e:
             raise TypeError(f"fxpass_{self.name} option 'quantize': {e}") from None
         return opts
 
     def needs_frozen_weights(self, opts: Any) -> str | None:
+        from fxpass.backends.onnx import weight_only
         from fxpass.backends.onnx.quantize import resolve_config
 
+        if weight_only.from_options(opts) is not None:
+            return ("weight-only quantization (option 'quantize') needs freeze_weights=True: "
+                    "the weights are quantized when the region is built, and guarded; with "
+                    "freeze_weights=False they are inputs, read in float on every call. Drop "
+                    "freeze_weights=False, or quantize=None")
         if resolve_config(opts.quantize) is None:
             return None
         # weights that are inputs would be calibrated as activations, once: after an update
@@ -105,8 +126,16 @@ class OrtDevice(Device):
 
         return compile_region(region, ctx)
 
+    def calibrates(self, opts: Any) -> bool:
+        from fxpass.backends.onnx import weight_only
+
+        return weight_only.from_options(opts) is None and Device.calibrates(self, opts)
+
     def plans(self, opts: Any) -> bool:
-        return opts.quantize is None
+        from fxpass.backends.onnx import weight_only
+
+        # calibrated regions are built by calibrate(), which a plan cannot replay
+        return opts.quantize is None or weight_only.from_options(opts) is not None
 
     def reopen(self, region: Region, weights: dict, ctx: Context) -> Artifact | None:
         from fxpass.backends.onnx.host.entry import cached_ort

@@ -22,9 +22,9 @@ from fxpass.jit.options import Options
 
 
 def quantizes(opts: Options) -> bool:
-    """Whether ``opts`` quantize regions (``quantize``, or a device that always does)."""
-    return (getattr(opts.dev, "quantize", None) is not None
-            or opts.get_device().requires_quantization(opts.dev) is not None)
+    """Whether ``opts`` make calibrated regions (``quantize``, or a device that always does;
+    ``Device.calibrates``)."""
+    return opts.get_device().calibrates(opts.dev)
 
 
 def check_calibration(opts: Options, calibration: Any, what: str) -> list[Any] | None:

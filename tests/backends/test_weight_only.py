@@ -1,0 +1,143 @@
+"""Weight-only int8 / int4 regions on the ``ort`` device (``quantize="w8"`` / ``"w4"``):
+onnxruntime's MatMulNBits over block-quantized weights, in the JIT path and in packages.
+
+Tolerances (logit cosine against the float32 model, random weights): w8 >= 0.999 (8-bit
+blocks of 32 and int8 activations: ~0.4% relative error per product); w4 >= 0.97 (4-bit blocks:
+~7% per weight, averaging out over a 128-wide dot product; 0.984 seen here, 0.97 leaves
+room for other CPUs' int8 kernels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import fxpass
+from fxpass.aot.export import export_for_generate
+from fxpass.backends.bpu import load
+from fxpass.backends.onnx import weight_only
+from fxpass.tools import zoo
+from tests.backends.test_export import _fresh_process
+
+FLOORS = {"w8": 0.999, "w4": 0.97}
+
+
+def _model(dtype=torch.float32):
+    return zoo.get("qwen3", hidden=128, dtype=dtype)  # every projection >= MIN_ELEMENTS
+
+
+def _large_linears(model) -> int:
+    """What the quantizer must take, counted from the model itself (the LM head included)."""
+    return sum(isinstance(m, torch.nn.Linear) and m.weight.numel() >= weight_only.MIN_ELEMENTS
+               for m in model.modules())
+
+
+def _attr(node, name):
+    return next(a.i for a in node.attribute if a.name == name)
+
+
+def _cosine(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(),
+                                                       b.flatten().double(), dim=0))
+
+
+@pytest.mark.parametrize("q", ["w8", "w4"])
+def test_weight_only_logits_and_report(opts, q):
+    model, kw = _model()
+    with torch.no_grad():
+        want = model(**kw).logits
+        got = torch.compile(model, backend="fxpass_ort",
+                            options={**opts, "quantize": q})(**kw).logits
+    assert _cosine(got, want) >= FLOORS[q]
+    assert not torch.equal(got, want)  # it did quantize
+    rep = fxpass.compile_reports()[-1]
+    assert len(rep.regions) == 1
+    fusions = rep.regions[0].fusions
+    assert fusions.get(f"matmul_nbits_{q}") == _large_linears(model), fusions
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert top1 >= (0.9 if q == "w8" else 0.6), top1
+
+
+def test_small_weights_stay_float_with_a_note(opts):
+    model, kw = zoo.get("qwen3", hidden=64)  # k/v projections: 64 x 32 < MIN_ELEMENTS
+    with torch.no_grad():
+        torch.compile(model, backend="fxpass_ort", options={**opts, "quantize": "w8"})(**kw)
+    fusions = fxpass.compile_reports()[-1].regions[0].fusions
+    small = sum(isinstance(m, torch.nn.Linear) and m.weight.numel() < weight_only.MIN_ELEMENTS
+                for m in model.modules())
+    assert small and fusions.get(f"kept_float (fewer than {weight_only.MIN_ELEMENTS} weights)") \
+        == small, fusions
+    assert fusions["matmul_nbits_w8"] == _large_linears(model)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"quantize": "w3"}, "unknown quantize config 'w3'"),
+    ({"quantize": "w4", "block_size": 24}, "power of two of at least 16"),
+    ({"quantize": "w4", "block_size": 8}, "power of two of at least 16"),
+    ({"block_size": 64}, "only apply to weight-only.*quantize='w4'"),
+    ({"quantize": "w8", "algorithm": "hqq"}, "4 bits only"),
+    ({"quantize": "w4", "algorithm": "gptq"}, "algorithm must be one of"),
+    ({"quantize": "w4", "accuracy_level": 5}, "accuracy_level must be one of"),
+])
+def test_option_errors_name_the_fix(options, match):
+    m = torch.nn.Linear(128, 128)
+    with pytest.raises(Exception, match=match):
+        torch.compile(m, backend="fxpass_ort", options=options)(torch.randn(2, 128))
+
+
+def test_the_board_refuses_the_host_format():
+    m = torch.nn.Linear(128, 128)
+    with pytest.raises(Exception, match="weight-only format, which the board does not run"):
+        torch.compile(m, backend="fxpass_bpu", options={"quantize": "w4"})(torch.randn(2, 128))
+    with pytest.raises(Exception, match="option .block_size. belongs to weight-only"):
+        torch.compile(m, backend="fxpass_bpu", options={"block_size": 32})(torch.randn(2, 128))
+
+
+def test_bf16_model_quantizes_from_its_bf16_weights(opts):
+    """The region computes in float32 from the bf16 weights' exact values; w8 of those is
+    as close to the bf16 model as w8 of a float32 model is to it (bf16 tolerances)."""
+    model, kw = _model(torch.bfloat16)
+    with torch.no_grad():
+        want = model.float()(**kw).logits  # the bf16 weights, exactly, computed in float32
+        model.to(torch.bfloat16)
+        got = torch.compile(model, backend="fxpass_ort",
+                            options={**opts, "quantize": "w8"})(**kw).logits
+    assert got.dtype == torch.bfloat16
+    assert _cosine(got.float(), want) >= 0.995  # w8 plus bf16 rounding of the logits
+    fusions = fxpass.compile_reports()[-1].regions[0].fusions
+    assert fusions.get("matmul_nbits_w8") == _large_linears(model), fusions
+
+
+def test_w4_package_round_trip_in_a_fresh_process(tmp_path):
+    model, _ = _model()
+    program = export_for_generate(model, max_cache_len=40, prefill_length=8, device="ort",
+                                  options={"min_compute_macs": 0, "quantize": "w4"})
+    path = Path(program.save(tmp_path / "w4"))
+    ids = torch.randint(3, 500, (1, 11), generator=torch.Generator().manual_seed(1))
+    runner = load(path)
+    here = runner.generate(ids, max_new_tokens=8)
+    fresh = _fresh_process(path, (ids,), {"max_new_tokens": 8}, tmp_path, generate=True)
+    assert torch.equal(fresh["out"][0], here)  # the same int4 kernels, loaded afresh
+    with torch.no_grad():  # the package's logits near the float model's (greedy tokens on
+        got = runner.prefill(ids)[0, -1]  # random weights part at the first near tie)
+        want = model(ids).logits[0, -1]
+    assert _cosine(got, want) >= FLOORS["w4"]
+    # the package holds the int4 blocks, not a float copy: no float MatMul over a large weight
+    models = [onnx.load(str(p), load_external_data=False) for p in path.glob("region_*.onnx")]
+    large = sum(m.weight.numel() for m in model.modules()
+                if isinstance(m, torch.nn.Linear) and m.weight.numel() >= weight_only.MIN_ELEMENTS)
+
+    def quantized(m: onnx.ModelProto) -> int:  # weights behind its MatMulNBits (K x N each)
+        return sum(_attr(n, "K") * _attr(n, "N") for n in m.graph.node
+                   if n.op_type == "MatMulNBits")
+
+    assert models and all(quantized(m) == large for m in models)
+    linear = sum(m.weight.numel() * 4 for m in model.modules()
+                 if isinstance(m, torch.nn.Linear))
+    embedding = model.get_input_embeddings().weight.numel() * 4
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    # 4 bits + an fp32 scale per 32 = 0.156 of fp32; the embedding stays float (tied to the
+    # head here: its float copy is the Gather's); 1 MiB for the graphs, norms and alignment
+    assert size <= embedding + 0.2 * linear + 2**20, (size, embedding, linear)
