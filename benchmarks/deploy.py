@@ -21,7 +21,9 @@ not need it imported; the package's size against the fp32 weights; 4 threads x 5
 generations on one loaded runner, each call on its own cache (as shipped) against the same
 calls serialized by a lock, every result checked against the sequential tokens; and, for a
 stock BERT and a ResNet, export -> save -> load in this process against eager (max abs
-difference, forward time ratio).
+difference, forward time ratio). Then the weight-only rows (``benchmarks.weight_only``: w8
+and w4 packages on the ``ort`` device beside GenAI fp32 and int4, with quality against the
+float model, on these models and SmolLM2-135M-Instruct); ``--no-weight-only`` skips them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import generate, harness
+from benchmarks import generate, harness, weight_only
 from benchmarks.generate import PROMPT, GenAI, _build, _compile_for, _hf_generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,20 +208,13 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path) -
     ref = {n: runners["eager-static"](n) for n in new_tokens}
     match = {c: {n: bool(torch.equal(f(n), ref[n])) for n in new_tokens}
              for c, f in runners.items()}
-    times: dict[int, dict[str, float]] = {}
-    for length in (1, *(n + 1 for n in new_tokens)):
-        stats = harness.interleave(
-            {c: (lambda f=f, length=length: f(length)) for c, f in runners.items()},
-            warmup=1, repeats=repeats, budget_s=30.0, min_repeats=3, settle_s=0.1)
-        times[length] = {c: s.median for c, s in stats.items()}
-    decode = {c: {n: (times[n + 1][c] - times[1][c]) / n * 1e3 for n in new_tokens}
-              for c in runners}
+    decode, first_ms = harness.decode_ms_per_token(runners, new_tokens, repeats, budget_s=30.0)
     return {
         "model": name, "new_tokens": list(new_tokens), "export_s": export_s,
         "package_mb": size / 1e6, "size_vs_weights": size / weights,
         "regions": [len(program.prefill.report.regions), len(program.decode.report.regions)],
         "tokens_match": match, "decode_ms_per_token": decode,
-        "prefill_ms": {c: times[1][c] * 1e3 for c in runners},
+        "prefill_ms": first_ms,
         "package_step": _outside_region(runner, ids, max(new_tokens)),
         "fresh": _fresh_first_token(path, ids),
         "threads": _concurrency(runner, ids),
@@ -299,6 +294,8 @@ def to_markdown(data: dict[str, Any]) -> str:
                 "eager ms": f"{e['eager_ms']:.2f}", "package ms": f"{e['package_ms']:.2f}",
                 "vs eager": f"{e['package_ms'] / e['eager_ms']:.2f}x"} for e in data["encoders"]]
         out.append(harness.markdown_table(enc, list(enc[0])))
+    if data.get("weight_only"):
+        out.append(weight_only.to_markdown({"runs": data["weight_only"]}))
     return "\n\n".join(out)
 
 
@@ -308,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default=None, help=f"comma-separated subset of {list(MODELS)}")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--no-weight-only", action="store_true",
+                    help="skip the weight-only rows (benchmarks.weight_only: w8/w4 packages, "
+                         "GenAI int4, SmolLM2)")
     args = ap.parse_args(argv)
     names = args.models.split(",") if args.models else (
         ["qwen3-4x512"] if args.quick else list(MODELS))
@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.quick:
             print("[deploy] encoders ...", file=sys.stderr, flush=True)
             data["encoders"] = encoders(Path(tmp), args.repeats)
+    if not args.no_weight_only:  # its own temporary directory: packages of four variants
+        wq = weight_only.run(None, args.quick, args.repeats, None)
+        data["weight_only"] = wq["runs"]
     harness.write_results(args.out, stem, data, to_markdown(data))
 
 

@@ -259,6 +259,22 @@ def _cell(v: Any) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
+def decode_ms_per_token(runners: dict[str, Callable[[int], Any]], new_tokens: Sequence[int],
+                        repeats: int, budget_s: float = 30.0
+                        ) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """Each generator's decode ms/token at each N: ``(t(1 + N) - t(1)) / N`` from medians of
+    round-robin samples (:func:`interleave`), so the prompt's cost cancels out; and each
+    one's ms for the prompt and one token, t(1)."""
+    times: dict[int, dict[str, float]] = {}
+    for length in (1, *(n + 1 for n in new_tokens)):
+        stats = interleave({c: (lambda f=f, length=length: f(length)) for c, f in runners.items()},
+                           warmup=1, repeats=repeats, budget_s=budget_s, min_repeats=3,
+                           settle_s=0.1)
+        times[length] = {c: s.median for c, s in stats.items()}
+    return ({c: {n: (times[n + 1][c] - times[1][c]) / n * 1e3 for n in new_tokens}
+             for c in runners}, {c: times[1][c] * 1e3 for c in runners})
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A GitHub markdown table of ``rows`` (already formatted values) in ``columns`` order."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -170,14 +170,7 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
                  for c, g in genai.items()})
     first = {c: _first_token(p["load"], ids) for c, p in packages.items()}
     first.update({c: _first_token(lambda g=g: _OgLoaded(g), ids) for c, g in genai.items()})
-    times: dict[int, dict[str, float]] = {}
-    for length in (1, *(n + 1 for n in new_tokens)):
-        stats = harness.interleave(
-            {c: (lambda f=f, length=length: f(length)) for c, f in runners.items()},
-            warmup=1, repeats=repeats, budget_s=40.0, min_repeats=3, settle_s=0.1)
-        times[length] = {c: s.median for c, s in stats.items()}
-    decode = {c: {n: (times[n + 1][c] - times[1][c]) / n * 1e3 for n in new_tokens}
-              for c in runners}
+    decode, first_ms = harness.decode_ms_per_token(runners, new_tokens, repeats, budget_s=40.0)
     return {"model": name, "new_tokens": list(new_tokens), "weights_mb": weights / 1e6,
             "decode_ms_per_token": decode, "quality": quality, "size_vs_weights": size,
             "load_to_first_token_s": first, "tokens_agree_with_eager": agree}
@@ -241,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     run(args.models, args.quick, args.repeats, args.out)
 
 
-def run(models: str | None, quick: bool, repeats: int, out: str) -> dict[str, Any]:
+def run(models: str | None, quick: bool, repeats: int, out: str | None) -> dict[str, Any]:
+    """Every model's rows; written to ``out`` as ``weight_only[-quick].md`` unless None."""
     names = models.split(",") if models else (
         ["qwen3-4x512"] if quick else ["qwen3-4x512", "llama-4x512", "smollm2"])
     new_tokens = (32,) if quick else (32, 128)
@@ -250,8 +244,9 @@ def run(models: str | None, quick: bool, repeats: int, out: str) -> dict[str, An
         for name in names:
             print(f"[weight_only] {name} ...", file=sys.stderr, flush=True)
             data["runs"].append(run_model(name, new_tokens, repeats, Path(tmp), quick))
-    harness.write_results(out, "weight_only-quick" if quick else "weight_only", data,
-                          to_markdown(data))
+    if out is not None:
+        harness.write_results(out, "weight_only-quick" if quick else "weight_only", data,
+                              to_markdown(data))
     return data
 
 
