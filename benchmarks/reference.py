@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-#: (module, results stem, max table lines, how to read it)
-SUITE: list[tuple[str, str, int, str]] = [
+#: (module, results stem, max table lines, how to read it[, the command's arguments])
+SUITE: list[tuple[str, ...]] = [
     ("deploy", "deploy", 40,
      "Decode ms/token is (t(1 + N) - t(1)) / N from medians of round-robin samples. The "
      "package (`export_for_generate`, loaded in the same process) against eager HF "
@@ -25,6 +25,15 @@ SUITE: list[tuple[str, str, int, str]] = [
      "ONNX Runtime GenAI on the same weights; every contender's tokens are checked against "
      "eager's. \"outside ms\" is a decode step's wall time minus its region executor's. \"load "
      "-> 1st token\" is measured in a fresh process after the imports."),
+    ("weight_only", "weight_only", 40,
+     "Weight-only int8/int4 packages (and the JIT path) on the `ort` device beside the fp32 "
+     "package and GenAI's fp32 and int4 builds of the same weights. \"vs its fp32\" divides by "
+     "the same runner's fp32 row. Quality is against the float model over 256 teacher-forced "
+     "positions (random ids; SmolLM2: `benchmarks/data/sample.txt`); \"greedy tokens = eager\" "
+     "is the share of free-running greedy tokens equal to eager's up to the first end token. "
+     "On random weights near-flat logits make w4's agreement low for every runner alike; "
+     "SmolLM2 (real weights, from its Q4_1 GGUF, so int4 at block 32 nearly re-quantizes "
+     "it) is the model to read quality on. See docs/quantization.md."),
     ("generate", "generate", 40,
      "The JIT path: `generate()` with a static cache through eager, inductor, fxpass_bpu and "
      "GenAI. Graphs and regions per graph come from `fxpass.compile_reports()`; the step "
@@ -45,6 +54,12 @@ SUITE: list[tuple[str, str, int, str]] = [
     ("compile_time", "compile_time", 20,
      "Cold first call and warm new process, fxpass_bpu against inductor, fresh processes; "
      "the backend's own time apart from Dynamo's and AOTAutograd's."),
+    ("compile_time", "compile_time-remote", 20,
+     "A fresh process with an empty local cache against a warm Redis (the remote tier, "
+     "docs/bpu-backend.md, \"Fleet\"), beside a cold compile and a local-warm process; "
+     "\"backend\" is fxpass's own share of the first call, the rest is Dynamo and "
+     "AOTAutograd. The store holds the compiled models and the plan, not the weights.",
+     "--remote"),
     ("architectures", "architectures", 30,
      "Every model family transformers ships that builds from a small config: generate() "
      "tokens against eager, graphs, regions per graph, and what stays on the CPU. Full table: "
@@ -95,9 +110,10 @@ def render() -> str:
         "`benchmarks/results/<name>.md` by `python -m benchmarks.reference`; history is in git.",
         "",
     ]
-    for module, stem, limit, how in SUITE:
-        cmd = f"python -m benchmarks.{module}"
-        out += [f"## {module}", "", _question(module), "", "```bash", cmd, "```", "",
+    for module, stem, limit, how, *args in SUITE:
+        cmd = " ".join([f"python -m benchmarks.{module}", *args])
+        out += [f"## {' '.join([module, *args])}", "", _question(module), "", "```bash", cmd,
+                "```", "",
                 _table(stem, limit), "", f"How to read it: {how}", ""]
     out += ["## Probes", "",
             "One-question benchmarks in `benchmarks/probes/`, kept for when what they measure "

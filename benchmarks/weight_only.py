@@ -7,6 +7,7 @@ builds of the same weights.
 
 Per model, greedy, a 32-token prompt (SmolLM2: a chat prompt through its template):
 
+- ``jit-fp32`` / ``jit-w4``: ``compile_for_generate(..., device="ort")`` and HF's loop;
 - decode ms/token = (t(1 + N) - t(1)) / N from medians of round-robin samples, N = 32, 128;
 - load to first token: ``load()`` (``og.Model``) and a one-token ``generate``, in this process;
 - size: the package (GenAI: its output directory) against the fp32 weights;
@@ -45,10 +46,13 @@ PACKAGES = {
     "package-w4": {"quantize": "w4"},
     "package-w4-b128": {"quantize": "w4", "block_size": 128},
 }
+#: ``compile_for_generate(..., device="ort")`` on copies of the model: the JIT path
+JIT = {"jit-fp32": {}, "jit-w4": {"quantize": "w4"}}
 GENAI = {
     "genai-fp32": ("fp32", ()),
-    "genai-int4": ("int4", ("int4_block_size=32", "int4_accuracy_level=4")),
-    "genai-int4-b128": ("int4", ("int4_block_size=128", "int4_accuracy_level=4")),
+    # the builder's own option names (int4_block_size is not one: it would be ignored)
+    "genai-int4": ("int4", ("block_size=32", "accuracy_level=4")),
+    "genai-int4-b128": ("int4", ("block_size=128", "accuracy_level=4")),
 }
 
 
@@ -64,8 +68,16 @@ def smollm2() -> tuple[torch.nn.Module, Any, torch.Tensor]:
                            'accelerate')
     where, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=gguf, torch_dtype=torch.float32).eval()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf,
+                                                               dtype=torch.float32)
+    # a plain checkpoint of the dequantized weights (GenAI's builder reads a saved one, and
+    # transformers refuses to save a model it loaded from GGUF)
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = type(loaded)(cfg).eval()
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
     chat = [{"role": "user", "content": "Name three rivers in Europe and the sea each one "
                                         "flows into."}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
@@ -83,6 +95,16 @@ def _package(model: Any, max_len: int, options: dict, tmp: Path, name: str) -> d
     del program
     return {"path": path, "size": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
             "runner": load(str(path)), "load": lambda: load(str(path))}
+
+
+def _jit(model: Any, max_len: int, options: dict) -> Any:
+    import copy
+
+    from fxpass.hf.generation import compile_for_generate
+
+    m = copy.deepcopy(model)
+    compile_for_generate(m, max_cache_len=max_len, device="ort", options=options)
+    return m
 
 
 def _package_logits(runner: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -127,16 +149,27 @@ def _quality(logits: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> dict
             "cosine": float(cos.mean()), "perplexity": float(nll.exp())}
 
 
+def _agreement(got: torch.Tensor, want: torch.Tensor, eos: set[int]) -> float:
+    """The share of greedy tokens equal to eager's before the first end token either made:
+    eager's loop forbids an end token until ``min_new_tokens`` (HF's processor), the others
+    do not, so from there on the two differ by construction."""
+    ends = [i for i, (a, b) in enumerate(zip(got.tolist(), want.tolist(), strict=True))
+            if a in eos or b in eos]
+    n = max(ends[0], 1) if ends else len(want)
+    return float((got[:n] == want[:n]).float().mean())
+
+
 def _first_token(load: Any, ids: torch.Tensor) -> float:
     t0 = time.perf_counter()
     runner = load()
-    runner.generate(ids, max_new_tokens=1)
+    runner.generate(ids, max_new_tokens=1, eos_token_id=[])
     return time.perf_counter() - t0
 
 
 def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
               quick: bool = False) -> dict:
-    tokenizer = None
+    torch._dynamo.reset()  # one process, several models: a Llama's JIT graphs must not count
+    tokenizer = None       # against the next Llama's recompile limit (it would run eager)
     if name == "smollm2":
         model, tokenizer, ids = smollm2()
         text = tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"][:, :POSITIONS]
@@ -154,16 +187,22 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
                 if not (quick and c.endswith("b128"))}
     genai = {c: GenAI(model, ids, max_len, p, e, tokenizer) for c, (p, e) in GENAI.items()
              if not (quick and c.endswith("b128"))}
+    jit = {c: _jit(model, max_len, o) for c, o in JIT.items() if not quick or c == "jit-w4"}
     runners = {"eager-static": _hf_generate(model, ids, cache_implementation="static"),
-               **{c: (lambda n, r=p["runner"]: r.generate(ids, max_new_tokens=n))
+               **{c: _hf_generate(m, ids) for c, m in jit.items()},
+               # eos_token_id=[]: every contender makes exactly n tokens (SmolLM2 has an end)
+               **{c: (lambda n, r=p["runner"]: r.generate(ids, max_new_tokens=n,
+                                                          eos_token_id=[]))
                   for c, p in packages.items()},
                **genai}
     quality = {"eager-static": _quality(ref, ref, text)}
     quality.update({c: _quality(_package_logits(p["runner"], text), ref, text)
                     for c, p in packages.items()})
     quality.update({c: _quality(_genai_logits(g, text), ref, text) for c, g in genai.items()})
-    eager = runners["eager-static"](max(new_tokens))
-    agree = {c: float((f(max(new_tokens))[0, prompt:] == eager[0, prompt:]).float().mean())
+    eager = runners["eager-static"](max(new_tokens))[0, prompt:]
+    eos = model.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else eos or [])
+    agree = {c: _agreement(f(max(new_tokens))[0, prompt:], eager, eos)
              for c, f in runners.items()}
     size = {c: p["size"] / weights for c, p in packages.items()}
     size.update({c: sum(f.stat().st_size for f in g.dir.rglob("*") if f.is_file()) / weights
@@ -184,7 +223,7 @@ class _OgLoaded:
 
         self.g, self.model = g, og.Model(str(g.dir))
 
-    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> Any:
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, eos_token_id: Any = None) -> Any:
         model, self.g.model = self.g.model, self.model
         try:
             return self.g(max_new_tokens)
@@ -197,21 +236,22 @@ def to_markdown(data: dict[str, Any]) -> str:
     for r in data["runs"]:
         for c, per in r["decode_ms_per_token"].items():
             q = r["quality"].get(c, {})
-            fp32 = r["decode_ms_per_token"]["package-fp32"]
+            own = c.split("-")[0] + "-fp32"  # package-w4 -> package-fp32, jit-w4 -> jit-fp32
+            fp32 = r["decode_ms_per_token"].get(own, r["decode_ms_per_token"]["package-fp32"])
             g4 = r["decode_ms_per_token"].get("genai-int4")
             rows.append({
                 "model": r["model"], "contender": c,
                 **{f"ms/token ({n})": f"{per[str(n)] if str(n) in per else per[n]:.2f}"
                    for n in r["new_tokens"]},
-                "vs package-fp32": _ratio(per, fp32, r["new_tokens"]),
+                "vs its fp32": _ratio(per, fp32, r["new_tokens"]),
                 "vs genai-int4": _ratio(per, g4, r["new_tokens"]) if g4 else "",
                 "load -> 1st token s": (f"{r['load_to_first_token_s'][c]:.2f}"
                                         if c in r["load_to_first_token_s"] else ""),
                 "size vs fp32": (f"{r['size_vs_weights'][c]:.2f}x"
                                  if c in r["size_vs_weights"] else ""),
-                "top-1 agree": f"{q.get('top1', 0):.3f}",
-                "logit cosine": f"{q.get('cosine', 0):.4f}",
-                "perplexity": f"{q['perplexity']:.2f}" if r["model"] == "smollm2" else "",
+                "top-1 agree": f"{q['top1']:.3f}" if q else "",
+                "logit cosine": f"{q['cosine']:.4f}" if q else "",
+                "perplexity": f"{q['perplexity']:.2f}" if q and r["model"] == "smollm2" else "",
                 "greedy tokens = eager": f"{r['tokens_agree_with_eager'][c]:.2f}"})
     return harness.markdown_table(rows, list(rows[0]) if rows else [])
 

@@ -73,6 +73,7 @@ def _region_key(server):
     return keys[0][len("fxpass:a:"):-len(".host.json")]
 
 
+@pytest.mark.slow  # a fresh process (5 s): the fast tier's budget
 def test_fresh_machine_takes_its_regions_from_the_fleet(tmp_path, fleet, server):
     before = R.STATS.copy()
     rep = _compile(tmp_path / "a", fleet)

@@ -8,6 +8,7 @@ room for other CPUs' int8 kernels)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import onnx
@@ -110,6 +111,7 @@ def test_bf16_model_quantizes_from_its_bf16_weights(opts):
     assert fusions.get("matmul_nbits_w8") == _large_linears(model), fusions
 
 
+@pytest.mark.slow
 def test_w4_package_round_trip_in_a_fresh_process(tmp_path):
     model, _ = _model()
     program = export_for_generate(model, max_cache_len=40, prefill_length=8, device="ort",
@@ -141,3 +143,29 @@ def test_w4_package_round_trip_in_a_fresh_process(tmp_path):
     # 4 bits + an fp32 scale per 32 = 0.156 of fp32; the embedding stays float (tied to the
     # head here: its float copy is the Gather's); 1 MiB for the graphs, norms and alignment
     assert size <= embedding + 0.2 * linear + 2**20, (size, embedding, linear)
+
+
+@pytest.mark.slow
+def test_quantizing_leaves_the_root_logger_alone():
+    """onnxruntime's weight-only quantizer calls logging.basicConfig(level=INFO) when it is
+    imported: in a fresh process (pytest's own handlers would hide it), quantizing a model
+    must leave the root logger without handlers and at its level."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, numpy as np, onnx\n"
+        "from onnx import helper, numpy_helper\n"
+        "from fxpass.backends.onnx import weight_only as W\n"
+        "w = numpy_helper.from_array(np.random.rand(128, 128).astype(np.float32), 'w')\n"
+        "g = helper.make_graph([helper.make_node('MatMul', ['x', 'w'], ['y'], name='mm')], 'g',"
+        " [helper.make_tensor_value_info('x', 1, [1, 128])],"
+        " [helper.make_tensor_value_info('y', 1, [1, 128])], [w])\n"
+        "m = helper.make_model(g, opset_imports=[helper.make_opsetid('', 18)])\n"
+        "q, s = W.quantize_model(m, W.resolve('w4'))\n"
+        "assert s['matmul_nbits'] == 1, s\n"
+        "root = logging.getLogger()\n"
+        "print(len(root.handlers), root.level)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0", str(logging.WARNING)], r.stdout
