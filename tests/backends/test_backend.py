@@ -123,6 +123,7 @@ def test_alternating_model_instances_keep_their_compiled_variants(opts):
             torch.testing.assert_close(run(b, x), b(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_generate_with_compiled_forward_matches_eager(opts):
     model, kwargs = zoo.get("qwen3", layers=1)
     ids = kwargs["input_ids"][:, :4]
@@ -251,6 +252,7 @@ def test_guard_keeps_one_variant_per_weights_and_evicts_stale_versions():
     assert all(sig[0][2] == w1._version for sig in g.variants if sig[0][1] == w1.data_ptr())
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
     """A mixture-of-experts forward is several regions with torch's routing between them.
     onnxruntime's pool threads must stop spinning after each run (``force_spinning_stop``):

@@ -3,11 +3,14 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import fxpass.report
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "generation.md"
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_generation_doc_example_runs():
     (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
     # The example counts reports from a fresh process: empty this one's list for it, in

@@ -145,6 +145,7 @@ def test_padding_masks_padded_tokens_of_real_rows_and_keeps_padded_rows_unmasked
     assert torch.equal(types[:3, :5], kw["token_type_ids"]) and (types[:3, 5:] == 0).all()
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_a_batch_past_the_largest_batch_bucket_runs_in_chunks_of_it(opts):
     """Rows never mix, so 5 rows with ``batch: [2]`` run as 2 + 2 + 1 (padded to 2) through the
     one compiled variant, joined back: eager's values, no warning, no new variant."""

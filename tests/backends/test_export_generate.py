@@ -146,6 +146,7 @@ def test_fresh_process_generates_hf_tokens_without_compiling(decoder, tmp_path):
     assert "frames" not in got["dynamo"] and "stats" not in got["dynamo"], got["dynamo"]
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_cli_export_generate_then_generate(tmp_path, capsys):
     from fxpass.cli import main
 

@@ -79,6 +79,7 @@ def test_without_a_filter_dynamo_recompiles_on_a_dtype_change(opts):
         torch.testing.assert_close(c(x), m(x), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_compile_for_generate_passes_a_guard_filter_to_torch(opts):
     """torch.compile takes guard_filter_fn out of the options; compile_for_generate validated
     it as an unknown backend option. With the filter the weight guard still sees a replaced
