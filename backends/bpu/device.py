@@ -84,6 +84,7 @@ class BpuDevice(Device):
 
     def check_options(self, raw: dict[str, Any]) -> Any:
         from fxpass.backends.bpu.capability import march
+        from fxpass.backends.onnx import weight_only
 
         host_only = sorted(set(raw) & set(WEIGHT_ONLY_FIELDS))
         if host_only:
@@ -93,7 +94,7 @@ class BpuDevice(Device):
                 "(backend='fxpass_ort') for weight-only decode on the host")
         opts = OrtDevice.check_options(self, raw)  # the host's checks, on the BPU's fields
         march(opts.march)  # ValueError naming the known marches
-        if isinstance(opts.quantize, str) and opts.quantize in ("w4", "w8"):
+        if isinstance(opts.quantize, str) and opts.quantize in weight_only.BITS:
             raise TypeError(
                 f"fxpass_bpu option 'quantize': {opts.quantize!r} is the host's weight-only "
                 "format, which the board does not run (its MAC ops take calibrated int8 weights "

@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 import onnx
 
-from fxpass.backends.onnx.quantize import QuantizationError, _quiet
+from fxpass.backends.onnx.quantize import QuantizationError
 
 #: ``quantize`` values for weight-only quantization, and their bit widths
 BITS = {"w8": 8, "w4": 4}
 #: onnxruntime's weight-only algorithms this device offers: round-to-nearest (its "DEFAULT"
-#: quantizer, C++; 2, 4 and 8 bits) and HQQ (half-quadratic, 4 bits, in torch). GPTQ and AWQ
-#: need calibration data and Intel's neural-compressor, which is not a dependency.
+#: quantizer, C++; 2, 4 and 8 bits) and HQQ (half-quadratic, 4 bits, in torch). Not offered:
+#: GPTQ (onnxruntime's bundled neural-compressor port) needs calibration data, and AWQ needs
+#: NVIDIA's modelopt, which is not a dependency.
 ALGORITHMS = ("rtn", "hqq")
 #: MatMulNBits' accuracy levels: 0 unset (the kernel's own choice), 1 fp32, 2 fp16, 3 bf16,
 #: 4 int8 activations (the fast CPU path, GenAI's default for int4 on CPU)
@@ -197,7 +198,7 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
     names = set(take)
     exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in names]
     q = mnb.MatMulNBitsQuantizer(model, nodes_to_exclude=exclude, algo_config=algo)
-    with _quiet(), warnings.catch_warnings():
+    with warnings.catch_warnings():  # (its INFO logs: off in _quantizer)
         warnings.simplefilter("ignore", UserWarning)  # HQQ: torch.from_numpy of a read-only array
         q.process()
     out = q.model.model
