@@ -169,3 +169,24 @@ def test_quantizing_leaves_the_root_logger_alone():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["0", str(logging.WARNING)], r.stdout
+
+
+def test_each_weight_only_option_has_its_own_cache_entry(opts):
+    """The artifact key covers the quantization fields: a second compile with another block
+    size in the same cache is a miss (a hit would run the first block size's weights), and
+    the same options again are a hit."""
+    model, kw = _model()
+
+    def compile_(**extra):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(model, backend="fxpass_ort",
+                                options={**opts, "quantize": "w4", **extra})(**kw).logits
+        return out, fxpass.compile_reports()[-1].regions[0].cached
+
+    first, hit = compile_()
+    assert not hit
+    other, hit = compile_(block_size=128)
+    assert not hit and not torch.equal(first, other)
+    again, hit = compile_()
+    assert hit and torch.equal(again, first)
