@@ -49,8 +49,8 @@ def _tensors(out):
     return [v for v in out.values() if isinstance(v, torch.Tensor)]
 
 
-@pytest.mark.parametrize("name", ["bert", pytest.param("roberta", marks=pytest.mark.slow),
-                                  pytest.param("distilbert", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier's 4-minute budget
+@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert"])
 def test_buckets_keep_eager_values_with_few_variants(name, opts):
     torch._dynamo.reset()
     eager = _encoder(name)

@@ -171,6 +171,7 @@ def test_quantizing_leaves_the_root_logger_alone():
     assert r.stdout.split() == ["0", str(logging.WARNING)], r.stdout
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_each_weight_only_option_has_its_own_cache_entry(opts):
     """The artifact key covers the quantization fields: a second compile with another block
     size in the same cache is a miss (a hit would run the first block size's weights), and

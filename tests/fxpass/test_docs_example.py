@@ -58,6 +58,7 @@ def installed(tmp_path, monkeypatch):
     load(refresh=True)
 
 
+@pytest.mark.slow  # the fast tier's 4-minute budget
 def test_walkthrough(installed, capsys):
     from fxpass import select_rules
     from fxpass.cli import main
