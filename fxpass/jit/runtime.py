@@ -95,6 +95,71 @@ class TorchThreads:
             torch.set_num_threads(prev)
 
 
+class DirectRegion:
+    """A compiled graph that is one region and nothing else (a whole model offloaded), called
+    without the graph around it: the arguments the region reads picked by position, its
+    outputs (or passed-through arguments) returned in the graph's order.
+
+    Why: such a graph's Python forward, the module call around the region and the thread
+    switch of ``TorchThreads`` run no op of the model, yet cost the call a few microseconds
+    each, and more with cold caches: right after a region streamed its weights, every object
+    the host code touches comes back from memory (``benchmarks.probes.forward_split``'s
+    "cache refill"). The region's own checks and eager fallback stay as they are."""
+
+    def __init__(self, graph: GraphModule, region: RegionCall, picks: list[int],
+                 outs: list[tuple[int, int | None]], kind: type):
+        self.graph = graph  # kept for tools (and to keep its modules alive)
+        self.region = region
+        self.picks = picks
+        self.outs = outs  # (0, element of the region's outputs) | (1, argument) | (2, None)
+        self.kind = kind
+        self.identity = kind is tuple and outs == [(0, i) for i in range(len(outs))] and (
+            len(region.out_shapes) == len(outs))
+
+    def __call__(self, *args: Any) -> Any:
+        outs = self.region.forward(*[args[i] for i in self.picks])
+        if self.identity:
+            return tuple(outs)
+        return self.kind(outs[j] if k == 0 else args[j] if k == 1 else None
+                         for k, j in self.outs)
+
+
+def direct(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` as a :class:`DirectRegion` when its graph is one region and nothing else;
+    else ``compiled`` unchanged."""
+    import operator
+
+    gm = compiled.graph if isinstance(compiled, TorchThreads) else compiled
+    if not isinstance(gm, GraphModule):
+        return compiled
+    phs = {p: i for i, p in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    calls = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    mods = [n for n in calls if n.op == "call_module"]
+    if len(mods) != 1 or mods[0].kwargs or any(
+            n is not mods[0] and not (n.op == "call_function" and n.target is operator.getitem
+                                      and n.args[0] is mods[0]) for n in calls):
+        return compiled
+    region = gm.get_submodule(mods[0].target)
+    if not isinstance(region, RegionCall) or not all(a in phs for a in mods[0].args):
+        return compiled
+    (ret,) = gm.graph.find_nodes(op="output")
+    leaves = ret.args[0]
+    if not isinstance(leaves, tuple | list):
+        return compiled
+    outs: list[tuple[int, int | None]] = []
+    for v in leaves:
+        if v is None:
+            outs.append((2, None))
+        elif v in phs:
+            outs.append((1, phs[v]))
+        elif isinstance(v, torch.fx.Node) and v.target is operator.getitem and (
+                v.args[0] is mods[0] and isinstance(v.args[1], int)):
+            outs.append((0, v.args[1]))
+        else:
+            return compiled
+    return DirectRegion(gm, region, [phs[a] for a in mods[0].args], outs, type(leaves))
+
+
 class RegionCall(torch.nn.Module):
     """One spliced region: runs the executor; on failure, the region's eager graph."""
 
@@ -172,10 +237,13 @@ class RegionCall(torch.nn.Module):
     def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
         if self.strict:
             raise RuntimeError(f"{self.who} region {self.name} cannot run: {why} (strict=True)")
+        # eager first: if it raises too, the input is at fault (a token id past the table),
+        # not the region, which keeps its executor; the caller gets eager's own error
+        out = tuple(self._eager()(*tensors))
         self.failed = why
         warnings.warn(
             f"{self.who} region {self.name} runs eagerly from now on: {why}",
             RegionFallbackWarning,
             stacklevel=2,
         )
-        return tuple(self._eager()(*tensors))
+        return out

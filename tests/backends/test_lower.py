@@ -114,6 +114,11 @@ def INT(dtype: torch.dtype, *shape: int) -> Callable[[torch.dtype], torch.Tensor
     return lambda dt: torch.randint(info.min, info.max + 1, shape, dtype=dtype)
 
 
+def IDS(dtype: torch.dtype, rows: int, *shape: int) -> Callable[[torch.dtype], torch.Tensor]:
+    """Row ids of a ``rows``-row table (an embedding's indices keep their own dtype)."""
+    return lambda dt: torch.randint(0, rows, shape, dtype=dtype)
+
+
 def NAN(*shape: int) -> Callable[[torch.dtype], torch.Tensor]:
     return lambda dt: torch.full(shape, float("nan"), dtype=dt)
 
@@ -171,6 +176,8 @@ CASES = [
     C(aten.slice.Tensor, [R(4, 7)], 0, -3, None),
     C(aten.slice.Tensor, [R(4, 7)], -1, None, -2),
     C(aten.select.int, [R(3, 4)], 1, -1),
+    C(aten.embedding.default, [R(6, 4), IDS(torch.int64, 6, 2, 3)]),
+    C(aten.embedding.default, [R(6, 4), IDS(torch.int32, 6, 5)]),
     C(aten.cat.default, [R(2, 3), R(2, 5)], [In(0), In(1)], 1),
     C(aten.cat.default, [R(2, 3), I32(1, 3)], [In(0), In(1)]),
     C(aten.split.Tensor, [R(5, 4)], 2),

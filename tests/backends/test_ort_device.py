@@ -53,3 +53,55 @@ def test_ort_promotes_bf16_models_to_float32_regions(opts):
     rep = fxpass.compile_reports()[-1]
     assert len(rep.regions) == 1 and rep.regions[0].fallback is None, str(rep)
     assert rep.rewrites.get("bf16_promotion", 0) >= 1, rep.rewrites
+
+
+class _Lookup(torch.nn.Module):
+    """A token embedding in front of a linear layer: int64 ids in, as a language model takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 64)
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(ids))
+
+
+def test_ort_takes_the_embedding_into_its_region(opts):
+    """The ort device runs a model's token lookup inside its region (int64 ids in), so a
+    forward is one onnxruntime call; the board keeps int64 out of its regions."""
+    m, ids = _Lookup().eval(), torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        got = torch.compile(m, backend="fxpass_ort", options=opts)(ids)
+        want = m(ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32
+        rep = fxpass.compile_reports()[-1]
+        assert len(rep.regions) == 1 and rep.regions[0].fallback is None, str(rep)
+        assert rep.offloaded_call_nodes == rep.call_nodes, str(rep)  # the lookup included
+        torch._dynamo.reset()
+        torch.compile(m, backend="fxpass_bpu", options=opts)(ids)
+        bpu = fxpass.compile_reports()[-1]
+        assert bpu.offloaded_call_nodes < bpu.call_nodes  # the lookup stays on the CPU
+        assert any("embedding" in why for why in bpu.cpu_reasons), bpu.cpu_reasons
+
+
+@pytest.mark.parametrize("bad", [-1, 100])
+def test_ort_lookup_of_a_bad_id_raises_eagers_error_and_keeps_the_region(opts, bad, monkeypatch):
+    """onnxruntime's Gather wraps a negative id around (the table's last row); eager raises.
+    A bad id raises eager's IndexError, and the region keeps running on onnxruntime after."""
+    from fxpass.jit.runtime import RegionCall
+
+    m, ids = _Lookup().eval(), torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        c = torch.compile(m, backend="fxpass_ort", options=opts)
+        c(ids)
+        wrong = ids.clone()
+        wrong[0, 2] = bad
+        with pytest.raises(IndexError), warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning either
+            c(wrong)
+        eager_runs = []
+        real = RegionCall._eager
+        monkeypatch.setattr(RegionCall, "_eager", lambda self: eager_runs.append(1) or real(self))
+        torch.testing.assert_close(c(ids), m(ids), rtol=1e-5, atol=1e-5)
+    assert not eager_runs  # the good call after it ran on onnxruntime, not the eager graph

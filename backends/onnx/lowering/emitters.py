@@ -222,6 +222,19 @@ def _select(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     return b.op("Gather", b.t(x), index, axis=dim)
 
 
+def _embedding(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
+    """A table lookup (``aten.embedding``) as ``Gather`` over the table's rows.
+
+    Eager raises on a negative index; ONNX's Gather wraps it around. A negative index is moved
+    past the table's end, so onnxruntime raises as well and the region falls back to eager,
+    which raises eager's own error: a bad id is never looked up from the table's other end."""
+    rows = _shape(a["weight"])[0]
+    ids = b.t(a["indices"])
+    dt = _dtype(a["indices"])
+    ids = b.op("Where", b.op("Less", ids, b.const(0, dt)), b.const(rows, dt), ids)
+    return b.op("Gather", b.t(a["weight"]), ids, axis=0)
+
+
 def _cat(b: _Builder, n: fx.Node, a: dict[str, Any]) -> str:
     dt, rank = _dtype(n), len(_shape(n))
     axis = a["dim"] % rank

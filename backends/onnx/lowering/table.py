@@ -25,7 +25,7 @@ from fxpass.backends.onnx.lowering import checks as ck
 from fxpass.backends.onnx.lowering import emitters as e
 from fxpass.backends.onnx.lowering import nn
 from fxpass.backends.onnx.lowering.builder import Emitter, _target_name, _val
-from fxpass.graph import FROZEN
+from fxpass.graph import FROZEN, bind_args
 from fxpass.rules.constant_folding import WEIGHT_VIEWS as FOLDING_VIEWS
 
 if TYPE_CHECKING:
@@ -229,6 +229,8 @@ OPS: dict[Any, Op] = {
             aten.ones_like.default: nn._full_like,
             aten.full_like.default: nn._full_like,
             aten.scalar_tensor.default: nn._scalar_tensor,
+            # table lookup: int64 ids are admitted as its indices on the host (Reasons.value)
+            aten.embedding.default: e._embedding,
         },
     ),
 }
@@ -321,6 +323,8 @@ class Reasons:
                         break
         else:
             why = ck.tensor_reason(v, self.march)
+            if why and self.march is None and v.dtype == torch.int64 and _lookup_ids(n):
+                why = None
         self._value[n] = why
         return why
 
@@ -379,6 +383,19 @@ class Reasons:
         if produced is not None and idx not in produced:
             return None  # dead (``_unproduced_use`` rejects the tuple op otherwise): never emitted
         return self.value(node)
+
+
+def _lookup_ids(n: fx.Node) -> bool:
+    """Whether int64 ``n`` is only ever read as the ids of table lookups (``aten.embedding``).
+
+    Why: the host device takes a model's embedding into its region (one onnxruntime call per
+    step instead of a torch lookup in front of it), and token ids are int64. Other int64
+    values (positions, index arithmetic) stay outside: ONNX's integer kernels differ from
+    aten's (overflow, division), and the board has no int64 at all (a march never admits
+    this: ``march=None`` is the host lowering)."""
+    return bool(n.users) and all(
+        u.target is aten.embedding.default and bind_args(u)["indices"] is n
+        and bind_args(u)["weight"] is not n for u in n.users)
 
 
 def _unproduced_use(node: fx.Node, op: Op) -> str | None:
