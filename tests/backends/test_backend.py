@@ -757,3 +757,37 @@ def test_as_strided_readers_of_one_base_share_one_copy_of_it(opts):
     _outputs_match_eager(Readers().eval(), torch.randn(4, 8), opts)
     reasons = fxpass.compile_reports()[-1].cpu_reasons
     assert [v for k, v in reasons.items() if "addresses memory" in k] == [5], reasons
+
+
+def test_a_graph_that_is_one_region_is_called_without_its_graph(monkeypatch):
+    """A whole graph offloaded runs as a ``DirectRegion`` (no graph forward, module call or
+    thread switch per call), returning region outputs and passed-through inputs in the graph's
+    order; a failing executor still falls back to the region's eager graph."""
+    from fxpass.graph import FROZEN
+    from fxpass.jit.guarded import GuardedGraph
+    from fxpass.jit.options import from_options as validate_options
+    from fxpass.jit.runtime import DirectRegion, RegionFallbackWarning
+    from tests.conftest import trace
+
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple:
+        y = torch.relu(x @ w.t())
+        return y, x, torch.tanh(y)
+
+    gm = trace(fn, x, w)
+    gm.graph.find_nodes(op="placeholder")[1].meta[FROZEN] = w
+    g = GuardedGraph(gm, validate_options({"min_compute_macs": 0, "cache": False}, "ort"))
+    assert isinstance(g.run, DirectRegion), type(g.run)
+    assert g.run.outs == [(0, 0), (1, 0), (0, 1)]
+    got = g(x, w)
+    assert isinstance(got, tuple) and len(got) == 3 and got[1] is x
+    torch.testing.assert_close(got[0], torch.relu(x @ w.t()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], torch.tanh(got[0]), rtol=1e-5, atol=1e-5)
+
+    def broken(*tensors):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(g.run.region, "executor", broken)
+    with pytest.warns(RegionFallbackWarning, match="device lost"):
+        again = g(x, w)
+    torch.testing.assert_close(again[0], got[0], rtol=1e-5, atol=1e-5)
