@@ -217,6 +217,7 @@ def compile_graph(gm: GraphModule, opts: Options) -> tuple[Callable, GraphReport
                 fusions=c.fusions,
                 quant=getattr(c.executor, "info", None),
                 source=cache.record(c.key, c.cached) if cache is not None else "",
+                executor_ref=c.executor,
             )
         )
         report.offloaded_call_nodes += sum(1 for n in r.nodes if n.target is not getitem)

@@ -383,6 +383,7 @@ def apply(
                     True,
                     fusions=c.fusions,
                     source=cache.record(c.key or r["key"], True),
+                    executor_ref=c.executor,
                 )
             )
             report.offloaded_call_nodes += r["offloaded_call_nodes"]

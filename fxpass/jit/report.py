@@ -9,6 +9,9 @@ from fxpass.report import COMPILE_REPORTS as REPORTS  # shared with fxpass.compi
 
 __all__ = ["REPORTS", "GraphReport", "RegionReport"]
 
+#: what a region still on its first tier says (``RegionReport.first_tier``)
+FIRST_TIER = " [first tier: its prepacked session is still being built in the background]"
+
 #: How many distinct rule skip reasons ``str(report)`` shows (all are in ``report.rules``).
 SHOW_SKIPS = 10
 
@@ -28,6 +31,15 @@ class RegionReport:
     #: where its artifact came from: "local hit", "remote hit", "compiled", or
     #: "compiled (remote refused: <why>)" (``ArtifactCache.record``); "" without a cache
     source: str = ""
+    #: the region's executor, read live by ``first_tier``
+    executor_ref: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def first_tier(self) -> bool | None:
+        """True while the region still runs on a first-tier session (a tiered host region
+        whose faster session is being built in the background); None for an executor that
+        has no tiers."""
+        return getattr(self.executor_ref, "first_tier", None)
 
 
 @dataclass
@@ -73,6 +85,7 @@ class GraphReport:
                 f" {r.outputs} out, {r.executor}"
                 f"{f' ({r.source})' if r.source else ' (cached)' if r.cached else ''}"
                 f"{' FALLBACK: ' + r.fallback if r.fallback else ''}"
+                f"{FIRST_TIER if r.first_tier else ''}"
             )
             if r.fusions:
                 fused = ", ".join(f"{k} x{v}" for k, v in sorted(r.fusions.items()))

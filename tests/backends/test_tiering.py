@@ -103,9 +103,12 @@ def test_cold_compile_returns_before_the_prepacked_session_exists(
     params = {p.data_ptr() for p in m.parameters() if p.dim() == 2}
     assert {t.data_ptr() for t in first.shared.values()} == params, "weights read in place"
     assert _meta(tmp_path) is None, "the entry is written by the second tier, later"
+    rep = fxpass.compile_reports()[-1]
+    assert rep.regions[0].first_tier is True and "first tier" in str(rep)
 
     gate.set()
     second = tier.wait()
+    assert rep.regions[0].first_tier is False and "first tier" not in str(rep)
     assert second is not first and _prepacks(second) and not second.shared
     with torch.no_grad():
         torch.testing.assert_close(c(x), ref, rtol=1e-5, atol=1e-5)

@@ -103,7 +103,7 @@ def compile_ort(
         # BF16 weights at one row keep reading a float32 cast made once (host.cast_weight):
         # a first tier would cast them on every call, 10x slower (docs/benchmarks.md)
         rows = 1
-    if tiered and prepack_helps(proto, rows) and tier_pays(weights, buffers):
+    if tiered and prepack_helps(proto, rows) and tier_pays(proto, weights, buffers):
         fusions: dict[str, int] = {}
         if fuse:
             proto, fusions, weights = _fused(proto, weights)

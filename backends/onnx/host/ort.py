@@ -166,6 +166,7 @@ class TieredExecutor:
 
     def __init__(self, first: Any, build: Callable[[], Any], name: str = "region"):
         self._ex = first
+        self._built: Any = None  # the second tier, once it runs
         self.name = name
         self._lock = threading.Lock()
         self._build: Callable[[], Any] | None = build
@@ -177,6 +178,12 @@ class TieredExecutor:
         if self._future is not None and self._future.done():
             self._swap()
         return self._ex
+
+    @property
+    def first_tier(self) -> bool:
+        """Whether the next call still runs on the first tier (its build queued or running,
+        or failed: then for good)."""
+        return self.current is not self._built
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = self.current(*tensors)
@@ -217,7 +224,7 @@ class TieredExecutor:
                 logging.getLogger("fxpass").warning(msg)
             return
         if ex is not None:
-            self._ex = ex
+            self._ex = self._built = ex
 
 
 def _trimmed(build: Callable[[], Any]) -> Any:
