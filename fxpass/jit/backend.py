@@ -115,13 +115,18 @@ def compile_dynamo(
     dev.prepare(opts.dev)  # a missing compiler raises here; a host runtime preloads
 
     def fw(aot_gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
+        from fxpass.jit import shapes
         from fxpass.jit.guarded import GuardedGraph
-        from fxpass.jit.shapes import ShapeVariants, specializable
 
-        keyed = specializable(aot_gm)
+        keyed, frame = shapes.specializable(aot_gm), shapes.frame_key(aot_gm)
         if keyed is not None:  # symbolic sizes: one static variant per input signature
-            return ShapeVariants(aot_gm, keyed, opts, lambda gm: GuardedGraph(gm, opts))
-        return GuardedGraph(aot_gm, opts)
+            # at its first call it compiles the shapes the frame's earlier graphs served
+            return shapes.ShapeVariants(aot_gm, keyed, opts, lambda gm: GuardedGraph(gm, opts),
+                                        frame)
+        run = GuardedGraph(aot_gm, opts)
+        shapes.remember(frame, shapes.tensor_shapes(
+            p.meta.get("val") for p in aot_gm.graph.find_nodes(op="placeholder")))
+        return run
 
     return aot_backend(fw, freeze=opts.freeze_weights)(gm, example_inputs)
 

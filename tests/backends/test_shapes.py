@@ -176,3 +176,64 @@ def test_a_growing_dynamic_cache_is_not_specialized_per_token():
     gm = make_fx(lambda past, new: (torch.cat([past, new], 1) * 2, torch.cat([past, new], 1)),
                  tracing_mode="symbolic")(torch.ones(1, 3, 4), torch.ones(1, 1, 4))
     assert shapes.specializable(gm) is None
+
+
+class _Tokens(torch.nn.Module):
+    """A sequence model: (batch, length, 32) in, its length free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 64)
+        self.out = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.lin(x))).softmax(-1)
+
+
+@pytest.mark.parametrize(("first", "later", "ahead"), [
+    ((1, 16), (1, 24), 1),  # the symbolic graph (length free, batch 1) admits the first shape
+    ((1, 16), (2, 24), 0),  # batch 2 is symbolic, >= 2 (Dynamo's 0/1 rule): (1, 16) is not its
+])
+def test_the_symbolic_graph_compiles_ahead_the_shapes_its_frame_served(
+        fresh, opts, first, later, ahead):
+    """Dynamo compiles the first shape as a static graph, then a symbolic one that it sends
+    the first shape to from then on: the symbolic graph compiles it at its own first call, so
+    coming back to the first shape compiles nothing (a second pass at steady speed)."""
+    m = _Tokens().eval()
+    c = torch.compile(m, backend="fxpass_ort", options=opts)
+    a, b = torch.randn(*first, 32), torch.randn(*later, 32)
+    with torch.no_grad():
+        c(a)
+        made = STATS["shape_variants_ahead"]
+        c(b)
+        assert STATS["shape_variants_ahead"] - made == ahead
+        rules = STATS["rules"]
+        for x in (a, b, a):
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    assert STATS["rules"] == rules  # coming back compiles nothing (ahead, or Dynamo's static)
+
+
+def test_concrete_args_solve_sizes_and_respect_the_guards(fresh):
+    """``concrete_args`` binds each symbolic size from the shapes, and refuses shapes that a
+    dimension, a range or a guard of the graph rules out."""
+    seen = {}
+
+    def backend(gm, example):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def fw(g, args):
+            seen.setdefault("gm", g)
+            return g
+
+        return aot_module_simplified(gm, example, fw_compiler=fw)
+
+    f = torch.compile(lambda x, y: (x @ y)[:, :4], backend=backend, dynamic=True)
+    f(torch.randn(3, 8), torch.randn(8, 6))
+    gm = seen["gm"]
+    ok = shapes.concrete_args(gm, [((5, 8), torch.float32), ((8, 6), torch.float32)])
+    assert ok is not None and [tuple(t.shape) for t in ok if isinstance(t, torch.Tensor)] == [
+        (5, 8), (8, 6)] and 5 in ok
+    assert shapes.concrete_args(gm, [((5, 8), torch.float32), ((7, 6), torch.float32)]) is None
+    assert shapes.concrete_args(gm, [((1, 8), torch.float32), ((8, 6), torch.float32)]) is None
+    assert shapes.concrete_args(gm, [((5, 8), torch.float64), ((8, 6), torch.float32)]) is None
+    assert shapes.concrete_args(gm, [((5, 8), torch.float32)]) is None
