@@ -10,9 +10,11 @@ int8-quantized activations by it). This is how decoders are deployed on CPUs (Ge
 What: ``onnxruntime.quantization.matmul_nbits_quantizer`` does the work: its RTN ("DEFAULT")
 or HQQ algorithm, packing and the ``MatMulNBits`` node; nothing here quantizes by hand. We
 choose *which* MatMuls: every one over a constant 2-D weight of :data:`MIN_ELEMENTS` or more
-(the projections and the LM head); the rest stays float with its reason in the report. The
-embedding stays float, as GenAI's int4 builds keep it: a Gather reads one row per token, so
-its bytes cost nothing per step.
+(the projections and the LM head); the rest stays float with its reason in the report. An
+embedding (a region's Gather over a constant table: the ``ort`` device takes the token lookup
+into its region) follows GenAI's int4 builds: tied to the LM head, its table is int4 too
+(``GatherBlockQuantized``, with w4 RTN: the only form onnxruntime's quantizer writes), else it
+stays float, since a Gather reads one row per token and its bytes cost nothing per step.
 
 The board's calibrated Q/DQ path (``quantize.py``) is a different thing: int8 weights *and*
 activations, faithful to the board. This one is for the host.
@@ -128,6 +130,30 @@ def plan(model: onnx.ModelProto) -> tuple[list[str], dict[str, int]]:
     return take, kept
 
 
+def tied_lookups(model: onnx.ModelProto) -> list[str]:
+    """The Gather nodes over a constant 2-D float table whose transpose is some MatMul's weight
+    (an embedding tied to the LM head): GenAI stores such a table in int4 blocks."""
+    inits = _initializers(model.graph)
+    heads = {}
+    for node in model.graph.node:
+        w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
+        if w is not None and len(w.dims) == 2:
+            heads.setdefault((w.dims[1], w.dims[0]), []).append(w)
+    out = []
+    for node in model.graph.node:
+        t = inits.get(node.input[0]) if node.op_type == "Gather" else None
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if t is None or axis != 0 or len(t.dims) != 2 or t.data_type != onnx.TensorProto.FLOAT:
+            continue
+        if t.dims[0] * t.dims[1] < MIN_ELEMENTS or not heads.get(tuple(t.dims)):
+            continue
+        table = onnx.numpy_helper.to_array(t)
+        if any(np.array_equal(table.T, onnx.numpy_helper.to_array(w))
+               for w in heads[tuple(t.dims)]):
+            out.append(node.name)
+    return out
+
+
 def pack_siblings(model: onnx.ModelProto, take: list[str]) -> tuple[list[str], int]:
     """Merge the MatMuls of ``take`` that read the same input (a layer's q, k and v
     projections; its gate and up) into one over their weights side by side, and a ``Split``.
@@ -187,6 +213,10 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
             node.name = f"n{i}_{node.op_type}"
     take, kept = plan(model)
     weights = len(take)
+    lookups = tied_lookups(model)
+    if lookups and (cfg.bits != 4 or cfg.algorithm != "rtn"):
+        kept[f"a tied embedding: int4 RTN only ({cfg.name} {cfg.algorithm})"] = len(lookups)
+        lookups = []
     take, merged = pack_siblings(model, take)
     if cfg.algorithm == "hqq":
         algo = mnb.HQQWeightOnlyQuantConfig(block_size=cfg.block_size, bits=cfg.bits)
@@ -194,9 +224,10 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
         algo = mnb.DefaultWeightOnlyQuantConfig(
             block_size=cfg.block_size, is_symmetric=cfg.symmetric,
             accuracy_level=cfg.accuracy_level or None, bits=cfg.bits,
-            op_types_to_quantize=("MatMul",))
-    names = set(take)
-    exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in names]
+            op_types_to_quantize=("MatMul", "Gather") if lookups else ("MatMul",))
+    names = set(take) | set(lookups)
+    exclude = [n.name for n in model.graph.node
+               if n.op_type in ("MatMul", "Gather") and n.name not in names]
     q = mnb.MatMulNBitsQuantizer(model, nodes_to_exclude=exclude, algo_config=algo)
     with warnings.catch_warnings():  # (its INFO logs: off in _quantizer)
         warnings.simplefilter("ignore", UserWarning)  # HQQ: torch.from_numpy of a read-only array
@@ -208,15 +239,43 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
                 node.attribute.append(onnx.helper.make_attribute("accuracy_level",
                                                                  cfg.accuracy_level))
     done = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
-    if done != len(take):
+    tables = sum(n.op_type == "GatherBlockQuantized" for n in out.graph.node)
+    if done != len(take) or tables != len(lookups):
         raise QuantizationError(
-            f"onnxruntime's quantizer turned {done} of {len(take)} MatMuls into MatMulNBits; "
+            f"onnxruntime's quantizer turned {done} of {len(take)} MatMuls into MatMulNBits "
+            f"and {tables} of {len(lookups)} tied embeddings into GatherBlockQuantized; "
             f"the rest would silently stay float. Set quantize=None for this model, or report "
             "it with the region's ONNX model")
+    _check_ids(out)
     out.ir_version = min(out.ir_version, model.ir_version)
     summary = {"config": cfg.name, "matmul_nbits": weights, "kernels": done, "kept_float": kept,
+               "gather_block_quantized": tables,
                **cfg.key()}
     return out, summary
+
+
+def _check_ids(model: onnx.ModelProto) -> None:
+    """Give every ``GatherBlockQuantized`` a bounds check on its ids.
+
+    Why: onnxruntime's ``GatherBlockQuantized`` reads an id past the table without an error
+    (found by a test: a negative id, which the lowering moves past the end so that a plain
+    ``Gather`` raises, came back as some row), where eager raises ``IndexError``. A plain
+    ``Gather`` of the same ids from a ``[rows, 1]`` table of zeros does raise, and its zeros,
+    added to the lookup, change no value: the region fails, and eager raises its own error."""
+    inits = _initializers(model.graph)
+    for node in [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]:
+        rows = int(inits[node.input[0]].dims[0])
+        zeros = onnx.numpy_helper.from_array(np.zeros((rows, 1), np.float32),
+                                             f"{node.name}_bounds")
+        model.graph.initializer.append(zeros)
+        out, raw, checked = node.output[0], f"{node.output[0]}_raw", f"{node.output[0]}_bounds"
+        node.output[0] = raw
+        at = list(model.graph.node).index(node) + 1
+        model.graph.node.insert(at, onnx.helper.make_node(
+            "Add", [raw, checked], [out], name=f"{node.name}_checked"))
+        model.graph.node.insert(at, onnx.helper.make_node(
+            "Gather", [zeros.name, node.input[1]], [checked], name=f"{node.name}_bounds",
+            axis=0))
 
 
 def _quantizer() -> Any:

@@ -191,3 +191,34 @@ def test_each_weight_only_option_has_its_own_cache_entry(opts):
     assert not hit and not torch.equal(first, other)
     again, hit = compile_()
     assert hit and torch.equal(again, first)
+
+
+def _tied():
+    model, kw = _model()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's are
+    return model, kw
+
+
+@pytest.mark.parametrize(("q", "tied", "tables"), [
+    ("w4", True, 1),  # GenAI's int4 builds store a tied table in int4 blocks too
+    # untied: the lookup reads one float row per token (slow tier: the fast tier's budget)
+    pytest.param("w4", False, 0, marks=pytest.mark.slow),
+    # onnxruntime's quantizer writes GatherBlockQuantized in int4 only
+    pytest.param("w8", True, 0, marks=pytest.mark.slow),
+])
+def test_a_tied_embedding_is_stored_in_int4_blocks(opts, q, tied, tables):
+    model, kw = _tied() if tied else _model()
+    with torch.no_grad():
+        want = model(**kw).logits
+        c = torch.compile(model, backend="fxpass_ort", options={**opts, "quantize": q})
+        got = c(**kw).logits
+    assert _cosine(got, want) >= FLOORS[q]
+    fusions = fxpass.compile_reports()[-1].regions[0].fusions
+    assert fusions.get("gather_block_quantized") == tables, fusions
+    kept = {k: v for k, v in fusions.items() if "tied embedding" in k}
+    assert sum(kept.values()) == (1 if tied and not tables else 0), fusions
+    if tables:  # a bad id still raises eager's error through the quantized lookup
+        bad = dict(kw, input_ids=kw["input_ids"].clone())
+        bad["input_ids"][0, 0] = -1
+        with pytest.raises(IndexError), torch.no_grad():
+            c(**bad)
