@@ -337,3 +337,15 @@ def test_hit_with_weights_in_another_layout_is_not_read_in_place(
         "rtol": 1.6e-2, "atol": 1e-2}
     with torch.no_grad():
         torch.testing.assert_close(out.float(), twin(x).float(), **tol)
+
+
+def test_a_one_row_region_is_built_at_once(small_tier, tmp_path):
+    """One row per GEMM (a decode step, a 1-token forward): the first tier would be barely
+    slower than the prepacked session, so no build is left running beside the calls."""
+    m, x = _model(), torch.randn(1, 64)
+    c, out = _compile(m, x, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)  # float32
+    assert _Tiered.made == []
+    assert _meta(tmp_path)["prepack"] is True  # built, stored, prepacked: before the answer
+    assert fxpass.compile_reports()[-1].regions[0].first_tier is None

@@ -103,7 +103,11 @@ def compile_ort(
         # BF16 weights at one row keep reading a float32 cast made once (host.cast_weight):
         # a first tier would cast them on every call, 10x slower (docs/benchmarks.md)
         rows = 1
-    if tiered and prepack_helps(proto, rows) and tier_pays(proto, weights, buffers):
+    # one row per GEMM (a decode step, a 1-token forward): no tier. Its first tier is only
+    # ~1.2x slower than the prepacked session, so the build in the background cost the calls
+    # beside it more than it saved the first (Qwen3 4 x 1024, 1 token: the 20 calls after the
+    # compile took 2.0x whole-model onnxruntime, against 1.1x once built): it is built at once
+    if tiered and prepack_helps(proto, 1) and tier_pays(proto, weights, buffers):
         fusions: dict[str, int] = {}
         if fuse:
             proto, fusions, weights = _fused(proto, weights)
