@@ -35,8 +35,10 @@ SUITE: list[tuple[str, ...]] = [
      "SmolLM2 (real weights, from its Q4_1 GGUF, so int4 at block 32 nearly re-quantizes "
      "it) is the model to read quality on. See docs/quantization.md."),
     ("generate", "generate", 40,
-     "The JIT path: `generate()` with a static cache through eager, inductor, fxpass_bpu and "
-     "GenAI. Graphs and regions per graph come from `fxpass.compile_reports()`; the step "
+     "The JIT path: `generate()` with a static cache through eager, inductor, fxpass_bpu, "
+     "fxpass_ort and GenAI, beside the `ort` package of the same weights (\"package\": "
+     "`export_for_generate` -> `load`, its lean runner; \"vs package\" is the JIT's bar, "
+     "1.2x). Graphs and regions per graph come from `fxpass.compile_reports()`; the step "
      "breakdown splits a fxpass decode step into region, wrappers and HF's loop."),
     ("shapes", "shapes", 40,
      "16 BERT inputs (lengths 8-128, batch 1-4) and 6 ResNet image sizes: first pass with "
@@ -45,6 +47,12 @@ SUITE: list[tuple[str, ...]] = [
      "computed over tokens given: what padding adds). fxpass-exact is fxpass with a variant "
      "bound as large as the inputs (no padding, no eviction). The memory table is RSS over "
      "distinct lengths past the variant bound. See docs/shapes.md."),
+    ("second_pass", "second_pass", 20,
+     "A model served at 6 shapes under plain `torch.compile`: the eager pass, the first pass "
+     "(every variant compiled, cold cache), the second pass right after it (nothing waited "
+     "for), and the steady pass after `settle()` (median of 3); every output checked against "
+     "eager. Issue 47's bars: second pass at most 1.2x the steady one, and at most 0.8x eager "
+     "on the transformer encoders."),
     ("prompt_lengths", "prompt_lengths", 20,
      "generate() over twelve prompt lengths as a chat sends them: graphs compiled and the first "
      "pass with compiles, chunked prefill against one compile per exact length."),
