@@ -166,6 +166,8 @@ def concrete_args(gm: GraphModule, shapes: Shapes) -> list[Any] | None:
         else:
             args.append(v)
     return args
+
+
 _BUILDING = threading.RLock()
 
 
