@@ -47,6 +47,12 @@ SUITE: list[tuple[str, ...]] = [
      "computed over tokens given: what padding adds). fxpass-exact is fxpass with a variant "
      "bound as large as the inputs (no padding, no eviction). The memory table is RSS over "
      "distinct lengths past the variant bound. See docs/shapes.md."),
+    ("chat", "chat", 20,
+     "SmolLM2-135M-Instruct (real weights) answering three chat prompts, greedy to its end "
+     "token: HF's `generate()` eager against `compile_for_generate` on both devices and the "
+     "`ort` package, each warmed on every prompt first (compiles excluded), timed side by "
+     "side (medians). Tokens are checked against eager's. Issue 47's bar: every JIT row "
+     "below 1.0x, short answers included."),
     ("second_pass", "second_pass", 20,
      "A model served at 6 shapes under plain `torch.compile`: the eager pass, the first pass "
      "(every variant compiled, cold cache), the second pass right after it (nothing waited "
