@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,15 +32,25 @@ class RegionReport:
     #: where its artifact came from: "local hit", "remote hit", "compiled", or
     #: "compiled (remote refused: <why>)" (``ArtifactCache.record``); "" without a cache
     source: str = ""
-    #: the region's executor, read live by ``first_tier``
+    #: the region's executor, held weakly (read live by ``first_tier``): reports outlive
+    #: evicted shape variants, and a strong reference kept their sessions alive (RSS grew
+    #: 2.5 -> 4.5 GB over 200 lengths in ``benchmarks.shapes``)
     executor_ref: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.executor_ref is not None and not isinstance(self.executor_ref, weakref.ref):
+            try:
+                self.executor_ref = weakref.ref(self.executor_ref)
+            except TypeError:  # an executor that takes no weak reference: no tier to report
+                self.executor_ref = None
 
     @property
     def first_tier(self) -> bool | None:
         """True while the region still runs on a first-tier session (a tiered host region
         whose faster session is being built in the background); None for an executor that
-        has no tiers."""
-        return getattr(self.executor_ref, "first_tier", None)
+        has no tiers, or is gone."""
+        ex = self.executor_ref() if self.executor_ref is not None else None
+        return getattr(ex, "first_tier", None)
 
 
 @dataclass

@@ -71,6 +71,9 @@ def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
         c(**kw)
         (sv,) = [s for s in shapes.INSTANCES if s.opts.max_shape_variants == 2]
         first = weakref.ref(next(iter(sv.variants.values())))
+        # held weakly by the report, which outlives the variant (fxpass.compile_reports())
+        sessions = [r.executor_ref for r in first().report.regions]
+        assert sessions and all(s() is not None for s in sessions)
         for n in (10, 12, 14, 8):
             kw = _bert_inputs(n, seed=n)
             torch.testing.assert_close(c(**kw).last_hidden_state,
@@ -79,6 +82,7 @@ def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
     assert STATS["shape_evictions"] - evicted == 3 == sv.evictions
     gc.collect()
     assert first() is None  # the evicted variant, its sessions and memory are gone
+    assert all(s() is None for s in sessions)
     report = sv.variants[next(reversed(sv.variants))].report
     assert any("shape variant 5" in n and "3 evicted" in n for n in report.notes), report.notes
 
