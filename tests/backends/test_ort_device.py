@@ -85,7 +85,7 @@ def test_ort_takes_the_embedding_into_its_region(opts):
         assert any("embedding" in why for why in bpu.cpu_reasons), bpu.cpu_reasons
 
 
-@pytest.mark.parametrize("bad", [-1, 100])
+@pytest.mark.parametrize("bad", [-1, pytest.param(100, marks=pytest.mark.slow)])
 def test_ort_lookup_of_a_bad_id_raises_eagers_error_and_keeps_the_region(opts, bad, monkeypatch):
     """onnxruntime's Gather wraps a negative id around (the table's last row); eager raises.
     A bad id raises eager's IndexError, and the region keeps running on onnxruntime after."""
