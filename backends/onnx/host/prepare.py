@@ -130,8 +130,8 @@ def declared_weights(proto: onnx.ModelProto, weights: Weights) -> Weights:
 MIN_SHARED_BYTES = 64 * 1024
 #: Up to this many rows (tokens) per Gemm/MatMul a region reads its weights in place instead
 #: of prepacking them. 0: every region prepacks (tiered above one row, ``tier_pays``), a
-#: decode step's one row included: with onnxruntime's prepacked GEMV a Qwen3 4 x 1024 1-token forward
-#: was 1.12x faster and a Qwen3 4 x 512 decode region 1.26x (``benchmarks.probes.tiering``,
+#: decode step's one row included: with onnxruntime's prepacked GEMV a Qwen3 4 x 1024 1-token
+#: forward was 1.12x faster and a Qwen3 4 x 512 decode region 1.26x (``benchmarks.probes.tiering``,
 #: ``benchmarks.probes.decode_region``), at the price of a packed copy of the weights per region.
 #: The option ``prepack_one_row=False`` makes it 1: one-row regions (a decode step) read the
 #: weights in place and hold no copy.
