@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
+from benchmarks.shapes import _first
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -78,10 +79,6 @@ def _inputs(kind: str) -> list[dict[str, torch.Tensor]]:
         out.append({"input_ids": torch.randint(0, 30522, (b, n), generator=g),
                     "attention_mask": mask})
     return out
-
-
-def _first(out: Any) -> torch.Tensor:
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def _pass(fn: Any, inputs: list[dict]) -> tuple[float, list[torch.Tensor]]:

@@ -139,32 +139,16 @@ class GuardedGraph:
     def __call__(self, *args: Any) -> Any:
         if self.eager_only:
             return self.pristine(*args)
-        ts = [args[k] for k in self._idx]
-        if (
-            [t.data_ptr() for t in ts] != self._ptrs
-            or [args[k]._version for k in self._versioned] != self._versions
-            or [t.shape for t in ts] != self._shapes
-            or [t.dtype for t in ts] != self._dtypes
-        ):
-            return self._weights_changed(args)
+        for k, ptr, ver, shape, dtype in self.guard:
+            t = args[k]
+            if (
+                t.data_ptr() != ptr
+                or (ver is not None and t._version != ver)
+                or t.shape != shape
+                or t.dtype != dtype
+            ):
+                return self._weights_changed(args)
         return self.run(*args)
-
-    @property
-    def guard(self) -> list[tuple[int, int, int | None, tuple, torch.dtype]]:
-        """Per frozen weight: (input index, data pointer, version or None, shape, dtype)."""
-        return self._guard
-
-    @guard.setter
-    def guard(self, entries: list[tuple[int, int, int | None, tuple, torch.dtype]]) -> None:
-        # the per-call check compares whole lists (a comprehension per field): a third of the
-        # time of a loop over the entries, which matters at 50 weights per call
-        self._guard = entries
-        self._idx = [k for k, *_ in entries]
-        self._ptrs = [p for _, p, *_ in entries]
-        self._versioned = [k for k, _, v, *_ in entries if v is not None]
-        self._versions = [v for _, _, v, *_ in entries if v is not None]
-        self._shapes = [torch.Size(s) for *_, s, _ in entries]
-        self._dtypes = [d for *_, d in entries]
 
     @property
     def rebuilds(self) -> int:
