@@ -58,11 +58,13 @@ def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
     from fxpass.backends.onnx.host.attention import fuse_attention
     from fxpass.backends.onnx.host.output_view import output_views
     from fxpass.backends.onnx.host.rotary import fuse_rotary
+    from fxpass.backends.onnx.host.row_write import fuse_row_writes
 
     return [
         # first: attention reads its output as q and k
         ("rotary_embedding", functools.partial(fuse_rotary, weights=weights)),
         ("attention", fuse_attention),
+        ("row_write", fuse_row_writes),  # after attention, which matches the Where's users
         ("erf_gelu", fuse_erfgelu),
         ("rms_normalization", fuse_rms_normalization),
         ("skip_layer_normalization", fuse_skip_layer_normalization),
