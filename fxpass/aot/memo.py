@@ -74,7 +74,23 @@ def memoize(gm: GraphModule, keys: Sequence[str], constants: Collection[str],
     """Memoize, in ``gm`` (in place), the subgraph that depends on each placeholder named in
     ``keys`` and on ``constants`` (placeholder names) and attributes only. Returns the memos."""
     g = gm.graph
-    written = {n.args[0] for n in g.nodes if _mutates(n) and isinstance(n.args[0], Node)}
+    phs = {n.name: n for n in g.find_nodes(op="placeholder")}
+    memos = []
+    for name in keys:  # each memo adds nodes: what depends on what is read afresh
+        written = {n.args[0] for n in g.nodes if _mutates(n) and isinstance(n.args[0], Node)}
+        memo = _memoize_one(gm, phs[name], _dependencies(g, constants, written), written,
+                            budget)
+        if memo is not None:
+            memos.append(memo)
+    if memos:
+        gm.recompile()
+    return memos
+
+
+def _dependencies(g: Graph, constants: Collection[str],
+                  written: set[Node]) -> dict[Node, frozenset[Node]]:
+    """Per node, the non-constant nodes its value depends on (a written node, an impure one
+    and a non-constant placeholder depend on themselves)."""
     dyn: dict[Node, frozenset[Node]] = {}
     for n in g.nodes:
         if n in written:
@@ -87,15 +103,7 @@ def memoize(gm: GraphModule, keys: Sequence[str], constants: Collection[str],
             dyn[n] = frozenset().union(*(dyn[a] for a in n.all_input_nodes))
         else:
             dyn[n] = frozenset([n])
-    phs = {n.name: n for n in g.find_nodes(op="placeholder")}
-    memos = []
-    for name in keys:
-        memo = _memoize_one(gm, phs[name], dyn, written, budget)
-        if memo is not None:
-            memos.append(memo)
-    if memos:
-        gm.recompile()
-    return memos
+    return dyn
 
 
 def _memoize_one(gm: GraphModule, key: Node, dyn: dict[Node, frozenset[Node]],

@@ -30,6 +30,7 @@ from fxpass.jit.backend import (
 from fxpass.jit.options import Options
 from fxpass.jit.report import REPORTS, GraphReport
 from fxpass.jit.runtime import RegionFallbackWarning, direct
+from fxpass.jit.streamline import streamline
 from fxpass.passmanager import ContractError, FixpointError
 from fxpass.rewriter import RuleError
 
@@ -90,6 +91,11 @@ class GuardedGraph:
         try:
             # through the module: a profiler or a test may wrap it there
             compiled, report = backend.compile_graph(gm, self.opts)
+            # per call, the CPU side as cheap as a package's (not in compile_graph: an exported
+            # program is streamlined by aot.package after torch.export)
+            report.streamlined = streamline(compiled, [
+                (p.meta.get("val"), FROZEN in p.meta)
+                for p in gm.graph.find_nodes(op="placeholder")])
             compiled = direct(compiled)  # a graph that is one region: called without the graph
         except Exception as e:
             # strict, or check=True asking for rule-contract failures: they must surface

@@ -70,6 +70,8 @@ class GraphReport:
     notes: list[str] = field(default_factory=list)
     rules: Any = None  # the fxpass Report of the rewrite phase (ledger, skips, times)
     device: str = ""  # the device's name (the report's first word is its backend's)
+    #: the CPU side's per-call streamlining (``jit.streamline``): fused_writes, memoized_ops
+    streamlined: dict[str, int] = field(default_factory=dict)
 
     @property
     def node_share(self) -> float:
@@ -113,6 +115,9 @@ class GraphReport:
             lines.append(f"  ... {len(skips) - SHOW_SKIPS} more skip reasons in report.rules")
         for why, k in sorted(self.cpu_reasons.items(), key=lambda kv: -kv[1]):
             lines.append(f"  on CPU x{k}: {why}")
+        if self.streamlined:
+            done = ", ".join(f"{k.replace('_', ' ')} x{v}" for k, v in self.streamlined.items())
+            lines.append(f"  CPU side streamlined: {done}")
         for d in self.dropped:
             lines.append(f"  dropped: {d}")
         for note in self.notes:

@@ -1,0 +1,73 @@
+"""A compiled graph's CPU side made as cheap per call as a package's: its cache writes fused
+into one copy, and the ops that depend on one small integer input memoized per value.
+
+Why: a ``torch.compile`` decode step runs the same CPU ops around its region as an exported
+package does (the cache write positions and masks, functions of a position or of a layer's
+length counter; two ``index_copy_`` per layer), each a few microseconds cold after the region
+has streamed the weights through the caches. The package streamlines them (``aot.writes``,
+``aot.memo``); this applies the same two passes to the JIT's graph.
+
+What is a key: a tensor input of an integer dtype and at most :data:`MAX_KEY_ELEMENTS`
+elements (a position, a cache's length counter, a decode step's token ids), static, not a
+frozen weight. A key the graph writes (a counter bumped in place) qualifies only when every
+other read of it comes before its first write: the memo reads the value the graph starts with.
+What is a constant: the frozen weights and the graph's attributes. The weight guard watches
+the weights: a changed weight rebuilds the graph, and with it these memos, so a stored value
+never outlives the weights it was computed from. Everything else a subgraph reads (state such
+as the KV cache, any other input) keeps it out of the memo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxpass.graph import is_static
+
+#: an integer input with more elements than this (a prompt's ids) is not a memo key: each
+#: distinct value would store its own tensors, and prompts rarely repeat
+MAX_KEY_ELEMENTS = 4
+
+
+def streamline(compiled: Any, inputs: list[tuple[Any, bool]]) -> dict[str, int]:
+    """Fuse the cache writes of ``compiled`` (a graph module, or one behind ``TorchThreads``)
+    and memoize its position ops, in place. ``inputs``: each placeholder's fake value and
+    whether it is a frozen weight (a graph rebuilt from a stored plan carries neither). Returns
+    what was done, for the report (absent when zero)."""
+    from fxpass.aot.memo import memoize
+    from fxpass.aot.writes import fuse_index_writes
+    from fxpass.jit.runtime import TorchThreads
+
+    gm = compiled.graph if isinstance(compiled, TorchThreads) else compiled
+    if not isinstance(gm, GraphModule):
+        return {}
+    phs = gm.graph.find_nodes(op="placeholder")
+    if len(phs) != len(inputs):
+        return {}
+    constants = {p.name for p, (_, frozen) in zip(phs, inputs, strict=True) if frozen}
+    keys = [p.name for p, (val, frozen) in zip(phs, inputs, strict=True)
+            if not frozen and _small_int(val) and _read_before_written(p)]
+    done = {"fused_writes": fuse_index_writes(gm)}
+    memos = memoize(gm, keys, constants) if keys else []
+    done["memoized_ops"] = sum(
+        1 for m in memos for n in m.fn.graph.nodes if n.op == "call_function")
+    return {k: v for k, v in done.items() if v}
+
+
+def _small_int(v: object) -> bool:
+    return (isinstance(v, torch.Tensor) and is_static(v) and v.device.type == "cpu"
+            and not v.dtype.is_floating_point and not v.dtype.is_complex
+            and v.dtype != torch.bool and v.numel() <= MAX_KEY_ELEMENTS)
+
+
+def _read_before_written(p: Node) -> bool:
+    """Whether every use of ``p`` that is not a write into it precedes the first write."""
+    from fxpass.aot.memo import _mutates
+
+    order = {n: i for i, n in enumerate(p.graph.nodes)}
+    writes = [order[u] for u in p.users if _mutates(u) and u.args and u.args[0] is p]
+    if not writes:
+        return True
+    return all(order[u] < min(writes) for u in p.users if order[u] not in writes)
