@@ -75,7 +75,7 @@ def test_other_wheres_are_left_alone(row_shape, hit_shape):
     assert count == 0 and ops == ["Where"]
 
 
-@pytest.mark.parametrize("pos", [0, 3, 7])
+@pytest.mark.parametrize("pos", [0, 7])
 def test_a_static_cache_write_fuses_and_matches_eager(pos, opts):
     w = torch.randn(8, 8) / 3
 

@@ -247,6 +247,7 @@ def test_a_var_that_cannot_be_drawn_is_named():
         check_rule(any_cast, max_examples=5)
 
 
+@pytest.mark.slow  # 3.5 s: the fast tier's budget
 def test_unsatisfiable_patterns_say_why():
     @pattern_rule(P(aten.cat.default, [Var("a"), Var("b")], 5))  # no generated rank has dim 5
     def never_types(rw, m):
