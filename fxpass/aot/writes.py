@@ -1,5 +1,5 @@
-"""A step's state writes, made cheap: one copy for all of a step's cache writes, and no write
-to state that no program reads.
+"""A step's state writes, made cheap: one copy for all of a step's cache and counter writes,
+and no write to state that no program reads.
 
 Why: a decode step writes each layer's new key and value into the static cache
 (``index_copy_`` at the step's position, two per layer) and bumps a length counter per layer
@@ -18,68 +18,102 @@ from torch.fx import GraphModule, Node
 
 aten = torch.ops.aten
 
-#: views kept per fused write (a position's view of each cache); past it, they are rebuilt
+#: view sets kept per fused call (one per combination of positions); past it, they are rebuilt
 MAX_VIEWS = 8192
 
 
-class IndexWrites:
-    """``dst.index_copy_(dim, index, src)`` for every (dst, src) pair, for one index: with a
-    one-element index, a single ``torch._foreach_copy_`` into each destination's view at that
-    position (the views kept per position); with any other index, ``index_copy_`` each."""
+class StateWrites:
+    """A step's trailing writes into its inputs, in one call: ``dst.copy_(src)`` (a length
+    counter) and ``dst.index_copy_(dim, index, src)`` at one position (a KV cache), each into a
+    different tensor. When every write is a plain same-shape copy or a one-position write in
+    range, they become one ``torch._foreach_copy_`` (into views of the caches at their
+    positions, kept per combination of positions); anything else runs each op as the graph
+    would, in order (and raises as it would)."""
 
-    __name__ = __qualname__ = "index_writes"
+    __name__ = __qualname__ = "state_writes"
 
-    def __init__(self, dim: int):
-        self.dim = dim
-        self.views: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    def __init__(self, dims: tuple[int | None, ...]):
+        self.dims = dims  # per write: the index_copy_'s dim, or None for a copy_
+        self.views: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 
-    def __call__(self, index: torch.Tensor, *pairs: torch.Tensor) -> None:
-        dsts, srcs = pairs[0::2], pairs[1::2]
-        if index.numel() == 1:
-            i = int(index)
-            key = (i, *map(id, dsts))
-            views = self.views.get(key)
-            if views is None and all(0 <= i < d.shape[self.dim] for d in dsts) and all(
-                    d.dtype == s.dtype and s.shape[self.dim] == 1 for d, s in zip(
-                        dsts, srcs, strict=True)):
-                if len(self.views) >= MAX_VIEWS:
-                    self.views.clear()
-                views = self.views[key] = [d.narrow(self.dim, i, 1) for d in dsts]
-            if views is not None:
-                torch._foreach_copy_(views, list(srcs))
-                return
-        for d, s in zip(dsts, srcs, strict=True):  # anything else: the op itself (and its errors)
-            d.index_copy_(self.dim, index, s)
+    def __call__(self, *args: torch.Tensor) -> None:
+        writes, k = [], 0
+        for dim in self.dims:  # (dim, index, dst, src) with index None for a copy_
+            if dim is None:
+                writes.append((None, None, args[k], args[k + 1]))
+                k += 2
+            else:
+                writes.append((dim, args[k], args[k + 1], args[k + 2]))
+                k += 3
+        key = tuple((id(d), None if i is None else int(i) if i.numel() == 1 else None)
+                    for _, i, d, _ in writes)
+        views = self.views.get(key)
+        if views is None and all(_fast(*w) for w in writes):
+            if len(self.views) >= MAX_VIEWS:
+                self.views.clear()
+            views = self.views[key] = [d if i is None else d.narrow(dim, int(i), 1)
+                                       for dim, i, d, _ in writes]
+        if views is not None:
+            torch._foreach_copy_(views, [s for *_, s in writes])
+            return
+        for dim, i, d, s in writes:  # anything else: the ops themselves (and their errors)
+            if i is None:
+                d.copy_(s)
+            else:
+                d.index_copy_(dim, i, s)
+
+
+def _fast(dim: int | None, index: torch.Tensor | None, d: torch.Tensor,
+          s: torch.Tensor) -> bool:
+    if d.dtype != s.dtype:
+        return False
+    if index is None:
+        return d.shape == s.shape
+    if index.numel() != 1 or index.dtype != torch.int64 or s.dim() != d.dim() or (
+            s.shape[dim] != 1):
+        return False
+    i = int(index)
+    return 0 <= i < d.shape[dim] and all(
+        a == b for k, (a, b) in enumerate(zip(d.shape, s.shape, strict=True)) if k != dim)
 
 
 def fuse_index_writes(gm: GraphModule) -> int:
-    """Replace the ``index_copy_`` writes into placeholders that share one index and dim, and
-    whose results are unused, by one :class:`IndexWrites` call at the last of them. Returns
-    how many writes were fused."""
+    """Replace the writes into placeholders (``copy_``, ``index_copy_`` with an int dim),
+    results unused, each the last use of its placeholder and no two into one, by one
+    :class:`StateWrites` call at the last of them. Returns how many writes were fused."""
     g = gm.graph
-    groups: dict[tuple[Node, int], list[Node]] = {}
-    for n in g.find_nodes(op="call_function", target=aten.index_copy_.default):
-        dst, dim, index, _src = n.args
-        if isinstance(dst, Node) and dst.op == "placeholder" and not n.users and isinstance(
-                index, Node) and isinstance(dim, int):
-            groups.setdefault((index, dim), []).append(n)
-    fused = 0
-    for (index, dim), nodes in groups.items():
-        if len(nodes) < 2:
+    order = {n: k for k, n in enumerate(g.nodes)}
+    found: dict[Node, list[Node]] = {}
+    for n in g.nodes:
+        if not _writes(n) or n.users or not isinstance(n.args[0], Node):
             continue
-        if len({n.args[0] for n in nodes}) != len(nodes):
-            continue  # two writes into one cache: their order matters, leave them
-        args: list[Any] = [index]
-        for n in nodes:
-            args += [n.args[0], n.args[3]]
-        with g.inserting_after(nodes[-1]):
-            g.call_function(IndexWrites(dim), tuple(args))
-        for n in nodes:
-            g.erase_node(n)
-        fused += len(nodes)
-    if fused:
-        gm.recompile()
-    return fused
+        if n.args[0].op != "placeholder":
+            continue
+        if n.target is aten.index_copy_.default and not (
+                isinstance(n.args[1], int) and isinstance(n.args[2], Node)):
+            continue
+        found.setdefault(n.args[0], []).append(n)
+    writes = [ws[0] for dst, ws in found.items() if len(ws) == 1 and all(
+        order[u] <= order[ws[0]] for u in dst.users)]  # nothing reads it after the write
+    if len(writes) < 2:
+        return 0
+    writes.sort(key=order.__getitem__)
+    dims: list[int | None] = []
+    args: list[Any] = []
+    for n in writes:
+        if n.target is aten.copy_.default:
+            dims.append(None)
+            args += [n.args[0], n.args[1]]
+        else:
+            dst, dim, index, src = n.args
+            dims.append(dim)
+            args += [index, dst, src]
+    with g.inserting_after(writes[-1]):
+        g.call_function(StateWrites(tuple(dims)), tuple(args))
+    for n in writes:
+        g.erase_node(n)
+    gm.recompile()
+    return len(writes)
 
 
 def state_reads(gm: GraphModule, state: list[str]) -> set[str]:

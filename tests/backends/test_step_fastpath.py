@@ -85,24 +85,67 @@ def test_memo_skips_a_key_mixed_with_other_inputs_and_respects_its_budget():
 
 
 @pytest.mark.parametrize("index", [[4], [0], [15], [2, 3, 4], [7, 1]])
-def test_index_writes_equal_index_copy(index):
+def test_state_writes_equal_the_ops(index):
     idx = torch.tensor(index)
     dsts = [torch.rand(2, 16, 4) for _ in range(3)]
+    counter, new_count = torch.zeros(1, dtype=torch.int64), torch.tensor([len(index)])
     want = [d.clone() for d in dsts]
     srcs = [torch.rand(2, len(index), 4) for _ in range(3)]
-    w = W.IndexWrites(1)
-    args = [x for pair in zip(dsts, srcs, strict=True) for x in pair]
-    w(idx, *args)
-    w(idx, *args)  # the second time from the kept views
+    w = W.StateWrites((1, None, 1, 1))
+    args = [idx, dsts[0], srcs[0], counter, new_count,
+            *[x for d, s in zip(dsts[1:], srcs[1:], strict=True) for x in (idx, d, s)]]
+    w(*args)
+    w(*args)  # the second time from the kept views
     for d, s, ref in zip(dsts, srcs, want, strict=True):
         torch.testing.assert_close(d, ref.index_copy_(1, idx, s), rtol=0, atol=0)
+    assert torch.equal(counter, new_count)
 
 
-def test_index_writes_out_of_range_raises_as_index_copy_does():
+@pytest.mark.parametrize("index", [torch.tensor([4]), torch.tensor([-1]),
+                                   torch.tensor([1], dtype=torch.int32)],
+                         ids=["past-the-end", "negative", "int32"])
+def test_state_writes_raise_as_index_copy_does(index):
     d, s = torch.zeros(1, 4, 2), torch.ones(1, 1, 2)
     with pytest.raises((IndexError, RuntimeError)):
-        W.IndexWrites(1)(torch.tensor([4]), d, s, d.clone(), s)
+        d.clone().index_copy_(1, index, s)  # eager refuses it...
+    with pytest.raises((IndexError, RuntimeError)):  # ...and so does the fused call
+        W.StateWrites((1, 1))(index, d, s, index, d.clone(), s)
     assert torch.equal(d, torch.zeros(1, 4, 2))
+
+
+def test_writes_at_different_positions_and_counters_fuse_into_one_call():
+    def step(k0, k1, c0, c1, p0, p1, a, b):  # two layers, each its own position and counter
+        out = k0.sum() + k1.sum() + c0.sum()
+        k0.index_copy_(1, p0, a)
+        c0.copy_(p0 + 1)
+        k1.index_copy_(1, p1, b)
+        c1.copy_(p1 + 1)
+        return (out,)
+
+    def late_read(k0, c0, p0, a):  # the counter is read after its write: it stays put
+        k0.index_copy_(1, p0, a)
+        c0.copy_(p0 + 1)
+        return (c0 * 2,)
+
+    ex = [torch.zeros(2, 8, 3), torch.zeros(2, 8, 3), torch.zeros(1, dtype=torch.int64),
+          torch.zeros(1, dtype=torch.int64), torch.tensor([2]), torch.tensor([5]),
+          torch.rand(2, 1, 3), torch.rand(2, 1, 3)]
+    gm = make_fx(step)(*ex)
+    ref = copy.deepcopy(gm)
+    assert W.fuse_index_writes(gm) == 4
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"
+             and isinstance(n.target, W.StateWrites)]
+    assert len(calls) == 1 and not gm.graph.find_nodes(
+        op="call_function", target=aten.copy_.default)
+    for p0, p1 in ((0, 7), (3, 3), (0, 7)):
+        a = [torch.rand(2, 8, 3), torch.rand(2, 8, 3), torch.zeros(1, dtype=torch.int64),
+             torch.zeros(1, dtype=torch.int64)]
+        b = [t.clone() for t in a]
+        rest = [torch.tensor([p0]), torch.tensor([p1]), torch.rand(2, 1, 3), torch.rand(2, 1, 3)]
+        torch.testing.assert_close(gm(*a, *rest)[0], ref(*b, *rest)[0], rtol=0, atol=0)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    lr = make_fx(late_read)(ex[0], ex[2], ex[4], ex[6])
+    assert W.fuse_index_writes(lr) == 0  # one write left to fuse: the graph is unchanged
 
 
 def test_fuse_and_drop_on_a_traced_step():
