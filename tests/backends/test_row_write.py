@@ -101,3 +101,29 @@ def test_a_static_cache_write_fuses_and_matches_eager(pos, opts):
     for g, e in ((got, expected), (got_cache, expected_cache)):
         torch.testing.assert_close(g[:, :, kept], e[:, :, kept], rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape,axis", [((S, 3), 0), ((2, 3, S), 2), ((2, S, 1, 3), 1)],
+                         ids=["first-axis", "last-axis", "middle-axis"])
+def test_rows_on_any_axis(shape, axis):
+    hit_shape = [1] * len(shape)
+    hit_shape[axis] = S
+    row_shape = list(shape)
+    row_shape[axis] = 1
+    inputs = [helper.make_tensor_value_info("hit", TensorProto.BOOL, hit_shape),
+              helper.make_tensor_value_info("t", TensorProto.FLOAT, list(shape)),
+              helper.make_tensor_value_info("row", TensorProto.FLOAT, row_shape)]
+    graph = helper.make_graph([helper.make_node("Where", ["hit", "row", "t"], ["out"])], "g",
+                              inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT,
+                                                                     list(shape))])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    proto.ir_version = 10
+    fused, count, _ = _fused(proto)
+    assert count == 1
+    rng = np.random.default_rng(2)
+    for slots in ([3], [0, 5]):
+        hit = np.zeros(hit_shape, bool)
+        hit.reshape(-1)[slots] = True
+        feeds = {"hit": hit, "t": rng.standard_normal(shape).astype(np.float32),
+                 "row": rng.standard_normal(row_shape).astype(np.float32)}
+        np.testing.assert_array_equal(_run(fused, feeds)[0], _run(proto, feeds)[0])
