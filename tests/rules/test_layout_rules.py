@@ -296,6 +296,7 @@ def _unfold_cases(draw):
     return [T(shape, dtype)], {"k": k, "dil": dil, "pad": pad, "st": st_}
 
 
+@pytest.mark.slow  # 3.1 s: the fast tier's budget
 def test_im2col_to_slices_property():
     # kernels, dilations, paddings and strides; every output position and channel order
     fired = check_rule(
