@@ -72,11 +72,15 @@ class Memo:
 def memoize(gm: GraphModule, keys: Sequence[str], constants: Collection[str],
             budget: int = BUDGET) -> list[Memo]:
     """Memoize, in ``gm`` (in place), the subgraph that depends on each placeholder named in
-    ``keys`` and on ``constants`` (placeholder names) and attributes only. Returns the memos."""
+    ``keys`` and on ``constants`` (placeholder names) and attributes only. Returns the memos.
+    A key the graph writes (a counter bumped in place) is taken only when every other read of
+    it comes before its first write: the memo reads the value the graph starts with."""
     g = gm.graph
     phs = {n.name: n for n in g.find_nodes(op="placeholder")}
     memos = []
     for name in keys:  # each memo adds nodes: what depends on what is read afresh
+        if not read_before_written(phs[name]):
+            continue
         written = {n.args[0] for n in g.nodes if _mutates(n) and isinstance(n.args[0], Node)}
         memo = _memoize_one(gm, phs[name], _dependencies(g, constants, written), written,
                             budget)
@@ -85,6 +89,15 @@ def memoize(gm: GraphModule, keys: Sequence[str], constants: Collection[str],
     if memos:
         gm.recompile()
     return memos
+
+
+def read_before_written(p: Node) -> bool:
+    """Whether every use of ``p`` that is not a write into it precedes the first write."""
+    order = {n: i for i, n in enumerate(p.graph.nodes)}
+    writes = [order[u] for u in p.users if _mutates(u) and u.args and u.args[0] is p]
+    if not writes:
+        return True
+    return all(order[u] < min(writes) for u in p.users if order[u] not in writes)
 
 
 def _dependencies(g: Graph, constants: Collection[str],

@@ -96,8 +96,7 @@ def fuse_index_writes(gm: GraphModule) -> int:
     writes = [ws[0] for dst, ws in found.items() if len(ws) == 1 and all(
         order[u] <= order[ws[0]] for u in dst.users)]  # nothing reads it after the write
     if len(writes) < 2:
-        return 0
-    writes.sort(key=order.__getitem__)
+        return 0  # (in graph order: each destination was found at its one write)
     dims: list[int | None] = []
     args: list[Any] = []
     for n in writes:

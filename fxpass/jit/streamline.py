@@ -9,12 +9,12 @@ has streamed the weights through the caches. The package streamlines them (``aot
 
 What is a key: a tensor input of an integer dtype and at most :data:`MAX_KEY_ELEMENTS`
 elements (a position, a cache's length counter, a decode step's token ids), static, not a
-frozen weight. A key the graph writes (a counter bumped in place) qualifies only when every
-other read of it comes before its first write: the memo reads the value the graph starts with.
-What is a constant: the frozen weights and the graph's attributes. The weight guard watches
-the weights: a changed weight rebuilds the graph, and with it these memos, so a stored value
-never outlives the weights it was computed from. Everything else a subgraph reads (state such
-as the KV cache, any other input) keeps it out of the memo.
+frozen weight (``aot.memo`` takes a key the graph writes, a counter bumped in place, only when
+it is read before the write). What is a constant: the frozen weights and the graph's
+attributes. The weight guard watches the weights: a changed weight rebuilds the graph, and
+with it these memos, so a stored value never outlives the weights it was computed from.
+Everything else a subgraph reads (state such as the KV cache, any other input) keeps it out
+of the memo.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from fxpass.graph import is_static
 
@@ -48,7 +48,7 @@ def streamline(compiled: Any, inputs: list[tuple[Any, bool]]) -> dict[str, int]:
         return {}
     constants = {p.name for p, (_, frozen) in zip(phs, inputs, strict=True) if frozen}
     keys = [p.name for p, (val, frozen) in zip(phs, inputs, strict=True)
-            if not frozen and _small_int(val) and _read_before_written(p)]
+            if not frozen and _small_int(val)]
     done = {"fused_writes": fuse_index_writes(gm)}
     memos = memoize(gm, keys, constants) if keys else []
     done["memoized_ops"] = sum(
@@ -61,13 +61,3 @@ def _small_int(v: object) -> bool:
             and not v.dtype.is_floating_point and not v.dtype.is_complex
             and v.dtype != torch.bool and v.numel() <= MAX_KEY_ELEMENTS)
 
-
-def _read_before_written(p: Node) -> bool:
-    """Whether every use of ``p`` that is not a write into it precedes the first write."""
-    from fxpass.aot.memo import _mutates
-
-    order = {n: i for i, n in enumerate(p.graph.nodes)}
-    writes = [order[u] for u in p.users if _mutates(u) and u.args and u.args[0] is p]
-    if not writes:
-        return True
-    return all(order[u] < min(writes) for u in p.users if order[u] not in writes)
