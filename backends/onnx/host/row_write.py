@@ -38,26 +38,20 @@ from fxpass.backends.onnx.host.onnx_match import add_initializer, static_shape
 def fuse_row_writes(model: ir.Model) -> int:
     """Replace each matched masked row overwrite in ``model`` by one ``ScatterND``."""
     graph = model.graph
-    made: dict[tuple[int, tuple[int, ...]], tuple[ir.Value, ir.Value]] = {}
+    made: dict[tuple[int, tuple[int, ...]], tuple[ir.Value, ...]] = {}
     count = 0
     for where in [n for n in graph if n.op_type == "Where" and n.domain == ""]:
         axis = _match(where)
         if axis is None:
             continue
         hit, row, t = where.inputs
-        shape = static_shape(t)
-        key = (id(hit), shape)
+        key = (id(hit), static_shape(t))
         if key not in made:
-            made[key] = _indices(graph, where, hit, shape, axis, len(made))
-        idx, spread_shape = made[key]
+            made[key] = _indices(graph, where, hit, key[1], axis, len(made))
+        idx, column, spread, flat = made[key]
         name = where.outputs[0].name
-        prefix = int(np.prod(shape[:axis], dtype=np.int64))
-        tail = list(shape[axis + 1:])
-        col = add_initializer(graph, f"{name}/row_write/col",
-                              np.array([prefix, 1, *tail], np.int64))
-        flat = add_initializer(graph, f"{name}/row_write/flat", np.array([-1, *tail], np.int64))
-        nodes = [ir.Node("", "Reshape", [row, col])]
-        nodes.append(ir.Node("", "Expand", [nodes[-1].outputs[0], spread_shape]))
+        nodes = [ir.Node("", "Reshape", [row, column])]
+        nodes.append(ir.Node("", "Expand", [nodes[-1].outputs[0], spread]))
         nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], flat]))
         for k, n in enumerate(nodes):
             n.outputs[0].name = f"{name}/row_write{k}"
@@ -92,17 +86,18 @@ def _match(where: ir.Node) -> int | None:
 
 
 def _indices(graph: ir.Graph, before: ir.Node, hit: ir.Value, shape: tuple[int, ...],
-             axis: int, k: int) -> tuple[ir.Value, ir.Value]:
-    """The slots where ``hit`` is true as ``ScatterND`` indices, ``[P * K, axis + 1]`` (every
-    index of the P leading positions, row-major, times each of the K slots), and the shape
-    ``[P, K, *tail]`` a row is expanded to (inserted before ``before``)."""
+             axis: int, k: int) -> tuple[ir.Value, ...]:
+    """What every row written under ``hit`` into a tensor of ``shape`` shares (inserted before
+    ``before``): the ``ScatterND`` indices, ``[P * K, axis + 1]`` (every index of the P leading
+    positions, row-major, times each of the K true slots), and the shapes a row goes through:
+    ``[P, 1, *tail]``, expanded to ``[P, K, *tail]``, flattened to ``[-1, *tail]``."""
     stem = f"row_write/idx{k}"
-    lead = shape[:axis]
+    lead, tail = shape[:axis], list(shape[axis + 1:])
     prefix = int(np.prod(lead, dtype=np.int64))
     grid = np.stack(np.meshgrid(*[np.arange(n) for n in lead], indexing="ij"), -1).reshape(
         prefix, 1, axis) if axis else np.zeros((1, 1, 0), np.int64)
 
-    def const(tag: str, array: np.ndarray) -> ir.Value:
+    def const(tag: str, array: np.ndarray | list[int]) -> ir.Value:
         return add_initializer(graph, f"{stem}/{tag}", np.asarray(array, np.int64))
 
     nodes: list[ir.Node] = []
@@ -121,6 +116,6 @@ def _indices(graph: ir.Graph, before: ir.Node, hit: ir.Value, shape: tuple[int, 
     slot_idx = node("Expand", slots, node("Concat", pk, const("one", [1]), axis=0))
     idx = node("Reshape", node("Concat", lead_idx, slot_idx, axis=-1),
                const("rows", [-1, axis + 1]))                                  # [P * K, d + 1]
-    spread = node("Concat", pk, const("tail", list(shape[axis + 1:])), axis=0)  # [P, K, *tail]
+    spread = node("Concat", pk, const("tail", tail), axis=0)                   # [P, K, *tail]
     graph.insert_before(before, nodes)
-    return idx, spread
+    return idx, const("column", [prefix, 1, *tail]), spread, const("rowflat", [-1, *tail])
