@@ -22,8 +22,9 @@ The indices are made once per distinct ``hit`` and shape (shared by every layer'
 value); each ``Where`` becomes the row's reshapes and the scatter. ``NonZero`` lists every true
 slot once, so each is written with ``row``, as ``Where`` does; the other slots are ``t``'s, bit
 for bit (NaN and inf included). ``ScatterND`` rather than ``ScatterElements``: onnxruntime copies
-the tensor at memcpy speed in the first and element by element in the second (a [1, 4, 256,
-64] cache: 21 against 31 us). The board path never calls this: it is part of
+the tensor at memcpy speed in the first and element by element in the second (one row into a
+[1, 4, 256, 64] cache: 21 against 27 us, ``Where`` 57 us; ``python -m
+benchmarks.probes.row_write``). The board path never calls this: it is part of
 :func:`fxpass.backends.onnx.host.prepare.fuse_for_ort`.
 """
 
