@@ -5,7 +5,8 @@
     python -m benchmarks.compile_time --profile          # cProfile of the backend's own time
     python -m benchmarks.compile_time --profile --tokens 128 --dtype bfloat16
     python -m benchmarks.compile_time --hash             # hash throughput (digest.py's choice)
-    python -m benchmarks.compile_time --remote           # Qwen3 4x512 on a warm Redis (fleet)
+    python -m benchmarks.compile_time --remote           # Qwen3 4x512 on a warm Redis (fleet),
+                                                         # torch.compile and fxpass.precompile
 
 Every sample is a fresh Python process (imports and model construction are not timed; the
 timed span is ``torch.compile(...)`` plus the first call). How each cache is set:
@@ -70,7 +71,12 @@ if spec.get("profile"):
     B.compile_graph = compile_graph
 with torch.no_grad():
     t0 = time.perf_counter()
-    out = torch.compile(model, backend=spec["backend"], dynamic=False, **opts)(**kw)
+    if spec.get("precompile"):  # fxpass.precompile: the trace itself comes from the cache
+        import fxpass
+        out = fxpass.precompile(model, spec["backend"].removeprefix("fxpass_"),
+                                opts["options"])(**kw)
+    else:
+        out = torch.compile(model, backend=spec["backend"], dynamic=False, **opts)(**kw)
     first = time.perf_counter() - t0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 res = {"first_call_s": first, "maxrss_mb": rss}
@@ -82,6 +88,9 @@ if spec["backend"] == "fxpass_bpu":
     res["cached_regions"] = sum(g.cached for r in reps for g in r.regions)
     res["plan_hit"] = any("plan loaded" in n for r in reps for n in r.notes)
     res["sources"] = [g.source for r in reps for g in r.regions]
+    if spec.get("precompile"):
+        from fxpass.jit.precompile import STATS
+        res["entry"] = sorted(k for k, v in STATS.items() if v)
     res["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
 if spec.get("settle"):  # the background tier built and its entry stored, before exit
     from fxpass.backends.bpu import settle
@@ -205,29 +214,34 @@ def markdown(out: dict) -> str:
 
 # -- the remote tier (issue 48): a fresh machine against a warm Redis ----------------------------
 
+SECRET = "benchmark-fleet-secret"
 REMOTE_MODEL = {"model": "qwen3", "dtype": "float32", "hidden": 512, "heads": 8, "kv_heads": 4,
                 "backend": "fxpass_bpu", "settle": True}
 
 
 def remote_round(tokens: int, tmp: Path, url: str, client: Any) -> dict[str, dict]:
-    """One interleaved round on Qwen3 4 x 512: a cold compile (empty local cache, no Redis); a
-    local-warm process over its directory; a cold compile that publishes to an empty Redis; and
-    a fresh process with an empty local cache against that warm Redis (the fleet's case)."""
-    spec = {**REMOTE_MODEL, "tokens": tokens}
-    local, pub, fresh = (Path(tempfile.mkdtemp(dir=tmp)) for _ in range(3))
-    client.flushall()
-    r = {
-        "cold": child(spec, {"FXPASS_CACHE_DIR": str(local)}),
-        "local warm": child(spec, {"FXPASS_CACHE_DIR": str(local)}),
-        "cold, publishing": child(spec, {"FXPASS_CACHE_DIR": str(pub),
-                                         "FXPASS_REMOTE_CACHE": url}),
-        "remote warm": child(spec, {"FXPASS_CACHE_DIR": str(fresh), "FXPASS_REMOTE_CACHE": url}),
-    }
-    # what the fleet's store holds for the model, against its weights
-    published = sum(client.strlen(k) for k in client.scan_iter("fxpass:a:*"))
-    r["remote warm"]["published_bytes"] = published
-    for d in (local, pub, fresh):
-        shutil.rmtree(d, ignore_errors=True)
+    """One interleaved round on Qwen3 4 x 512, under ``torch.compile`` and under
+    ``fxpass.precompile``: a cold compile (empty local cache, no Redis); a local-warm process
+    over its directory; a cold compile that publishes to an empty Redis; and a fresh process
+    with an empty local cache against that warm Redis (the fleet's case). The store signs its
+    entries (``FXPASS_REMOTE_CACHE_SECRET``), as precompiled entries require."""
+    r: dict[str, dict] = {}
+    published = {}
+    for pre in (False, True):
+        spec = {**REMOTE_MODEL, "tokens": tokens, "precompile": pre}
+        local, pub, fresh = (Path(tempfile.mkdtemp(dir=tmp)) for _ in range(3))
+        client.flushall()
+        tag = "precompile: " if pre else ""
+        r[tag + "cold"] = child(spec, {"FXPASS_CACHE_DIR": str(local)})
+        r[tag + "local warm"] = child(spec, {"FXPASS_CACHE_DIR": str(local)})
+        remote = {"FXPASS_REMOTE_CACHE": url, "FXPASS_REMOTE_CACHE_SECRET": SECRET}
+        r[tag + "cold, publishing"] = child(spec, {"FXPASS_CACHE_DIR": str(pub), **remote})
+        r[tag + "remote warm"] = child(spec, {"FXPASS_CACHE_DIR": str(fresh), **remote})
+        # what the fleet's store holds for the model, against its weights
+        published[tag] = sum(client.strlen(k) for k in client.scan_iter("fxpass:a:*"))
+        r[tag + "remote warm"]["published_bytes"] = published[tag]
+        for d in (local, pub, fresh):
+            shutil.rmtree(d, ignore_errors=True)
     return r
 
 
@@ -252,8 +266,12 @@ def remote_run(repeats: int, tokens: int = 1) -> dict[str, Any]:
     # (the key covers it; an editable install edited meanwhile). Its median would measure a
     # cold compile, so such rounds are left out of the medians and counted.
     expect = {"local warm": "local hit", "remote warm": "remote hit"}
+    expect |= {"precompile: " + k: v for k, v in expect.items()}
+    entries = {"precompile: cold": ["traced"], "precompile: local warm": ["local_hit"],
+               "precompile: remote warm": ["remote_hit"]}
     valid = [i for i in range(repeats)
-             if all(set(res[k][i].get("sources", [])) == {v} for k, v in expect.items())]
+             if all(set(res[k][i].get("sources", [])) == {v} for k, v in expect.items())
+             and all(res[k][i].get("entry") == v for k, v in entries.items())]
     out["rounds_left_out"] = repeats - len(valid)
     out["cases"] = {k: {"samples": v, "first_call_s": _median([v[i] for i in valid],
                                                               "first_call_s"),
@@ -261,6 +279,8 @@ def remote_run(repeats: int, tokens: int = 1) -> dict[str, Any]:
                     for k, v in res.items()}
     warm = [res["remote warm"][i] for i in valid] or [{}]
     out["published_bytes"] = _median(warm, "published_bytes")
+    out["published_bytes_precompile"] = _median(
+        [res["precompile: remote warm"][i] for i in valid] or [{}], "published_bytes")
     out["weights_bytes"] = _median(warm, "weights_bytes")
     out["markdown"] = remote_markdown(out)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -284,20 +304,28 @@ def remote_markdown(out: dict) -> str:
         "| process | first call s | backend s | regions from |",
         "|---|---|---|---|",
     ]
-    for k in ("cold", "local warm", "cold, publishing", "remote warm"):
-        src = ", ".join(sorted({x for smp in c.get(k, {}).get("samples", [])
-                                for x in smp.get("sources", [])}))
-        rows.append(f"| {k} | {_f(g(k))} | {_f(g(k, 'backend_s'))} | {src} |")
-    rw, lw, cold = g("remote warm"), g("local warm"), g("cold")
-    brw, bcold = g("remote warm", "backend_s"), g("cold", "backend_s")
+    for pre in ("", "precompile: "):
+        for k in ("cold", "local warm", "cold, publishing", "remote warm"):
+            k = pre + k
+            src = ", ".join(sorted({x for smp in c.get(k, {}).get("samples", [])
+                                    for x in smp.get("sources", [])}))
+            label = k.replace("precompile: ", "fxpass.precompile, ") if pre else (
+                "torch.compile, " + k)
+            rows.append(f"| {label} | {_f(g(k))} | {_f(g(k, 'backend_s'))} | {src} |")
+    cold = g("cold")
+    rows.append("")
+    for pre, what in (("", "torch.compile"), ("precompile: ", "fxpass.precompile")):
+        rw, lw = g(pre + "remote warm"), g(pre + "local warm")
+        rows += [
+            f"- {what}: remote warm / local warm, first call: {_ratio(rw, lw)} (bar <= 1.2x); "
+            f"remote warm / cold torch.compile: {_ratio(rw, cold)} (bar <= 0.3x)",
+        ]
     rows += [
-        "",
-        f"- remote warm / local warm, first call: {_ratio(rw, lw)} (bar <= 1.2x)",
-        f"- remote warm / cold, first call: {_ratio(rw, cold)} (bar <= 0.3x); backend time: "
-        f"{_ratio(brw, bcold)}",
         f"- the fleet's store holds {(out['published_bytes'] or 0) / 1e3:.0f} kB for the model "
-        f"(models and plan; weights {(out['weights_bytes'] or 0) / 1e6:.0f} MB stay with "
-        "each client)",
+        f"under torch.compile (models and plan), "
+        f"{(out.get('published_bytes_precompile') or 0) / 1e3:.0f} kB with the precompiled "
+        f"entry; the weights ({(out['weights_bytes'] or 0) / 1e6:.0f} MB) stay with each "
+        "client",
     ]
     return "\n".join(rows)
 

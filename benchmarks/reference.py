@@ -70,9 +70,11 @@ SUITE: list[tuple[str, ...]] = [
      "the backend's own time apart from Dynamo's and AOTAutograd's."),
     ("compile_time", "compile_time-remote", 20,
      "A fresh process with an empty local cache against a warm Redis (the remote tier, "
-     "docs/bpu-backend.md, \"Fleet\"), beside a cold compile and a local-warm process; "
-     "\"backend\" is fxpass's own share of the first call, the rest is Dynamo and "
-     "AOTAutograd. The store holds the compiled models and the plan, not the weights.",
+     "docs/bpu-backend.md, \"Fleet\"), beside a cold compile and a local-warm process, under "
+     "`torch.compile` and under `fxpass.precompile` (whose entry holds the trace, so a new "
+     "process skips Dynamo and AOTAutograd); \"backend\" is fxpass's own share of the first "
+     "call. The store holds the compiled models, the plan and the precompiled entry, not the "
+     "weights.",
      "--remote"),
     ("architectures", "architectures", 30,
      "Every model family transformers ships that builds from a small config: generate() "

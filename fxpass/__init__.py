@@ -32,6 +32,7 @@ __all__ = [
     "compile_reports",
     "graph_rule",
     "load",
+    "precompile",
     "propagate_meta",
     "rule",
     "select_rules",
@@ -43,3 +44,11 @@ def compile_reports() -> list[Any]:
     from .report import COMPILE_REPORTS
 
     return list(COMPILE_REPORTS)
+
+
+def precompile(model: Any, device: str = "bpu", options: dict | None = None) -> Any:
+    """``model`` compiled for ``device`` so that the next process loads its trace instead of
+    tracing again (:func:`fxpass.jit.precompile.precompile`)."""
+    from .jit.precompile import precompile as _precompile
+
+    return _precompile(model, device, options)

@@ -74,7 +74,9 @@ class Region:
     process (``g3_r0``). ``key`` is the framework's cache key: the graph with every node's
     arguments, every weight's bytes, the options, the rules and the device's identity.
     ``sources`` maps a weight buffer to the model weight it holds (a device that reads
-    weights in place uses it).
+    weights in place uses it). In ``reopen`` (a plan hit) ``gm`` is None; ``rebuild()``, when
+    given, makes it again (the rules and partition run once more), for a device whose cached
+    artifact lacks a part it must remake from the graph (weights a remote cache keeps none of).
     """
 
     gm: GraphModule
@@ -82,6 +84,7 @@ class Region:
     key: str
     input_names: list[str]
     sources: dict[str, str] = field(default_factory=dict)
+    rebuild: Callable[[], GraphModule] | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ executor; this module only says so to the framework.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -142,7 +143,7 @@ class OrtDevice(Device):
 
         o = ctx.device_options
         return cached_ort(ctx.cache, region.key, region.input_names, o.threads, weights,
-                          o.tiered)
+                          o.tiered, rebuild=_weights_rebuild(region, ctx))
 
     def save(self, region: Region, artifact: Artifact, files: Files, weights: Any) -> dict:
         """``region_<name>.onnx``: a float region's model with its weights external data in
@@ -231,3 +232,22 @@ def fxpass_targets() -> list[Any]:
 
 
 __all__ = ["DEVICE", "OrtDevice", "OrtOptions", "quantized"]
+
+
+def _weights_rebuild(region: Region, ctx: Context) -> Callable[[], Any] | None:
+    """For a plan hit whose entry lacks its weights file (a remote tier keeps none): the
+    prepacked session rebuilt from the region's graph, made again (``Region.rebuild``)."""
+    if region.rebuild is None:
+        return None
+
+    def rebuild() -> Any:
+        from fxpass.backends.onnx.host.build import rebuild_weights, unchanged_check
+
+        o = ctx.device_options
+        rg = Region(region.rebuild(), region.name, region.key, region.input_names,
+                    region.sources)
+        buffers = {c: getattr(rg.gm, c) for c in rg.sources}
+        return rebuild_weights(rg, rg.name, rg.key, rg.input_names, ctx.cache, o.threads,
+                               o.host_fusions, None if o.prepack_one_row else 1, buffers,
+                               unchanged_check(rg, buffers))
+    return rebuild

@@ -113,22 +113,25 @@ def compile_dynamo(
         warnings.warn(msg, stacklevel=2)
         return gm.forward
     dev.prepare(opts.dev)  # a missing compiler raises here; a host runtime preloads
+    return aot_backend(lambda aot_gm, real, frozen: runner(aot_gm, opts),
+                       freeze=opts.freeze_weights)(gm, example_inputs)
 
-    def fw(aot_gm: GraphModule, real: list, frozen: list[bool]) -> Callable:
-        from fxpass.jit import shapes
-        from fxpass.jit.guarded import GuardedGraph
 
-        keyed, frame = shapes.specializable(aot_gm), shapes.frame_key(aot_gm)
-        if keyed is not None:  # symbolic sizes: one static variant per input signature
-            # at its first call it compiles the shapes the frame's earlier graphs served
-            return shapes.ShapeVariants(aot_gm, keyed, opts, lambda gm: GuardedGraph(gm, opts),
-                                        frame)
-        run = GuardedGraph(aot_gm, opts)
-        shapes.remember(frame, shapes.tensor_shapes(
-            p.meta.get("val") for p in aot_gm.graph.find_nodes(op="placeholder")))
-        return run
+def runner(aot_gm: GraphModule, opts: Options) -> Callable:
+    """The callable behind one AOT graph whose weights are marked: one static variant per input
+    signature when its sizes are symbolic, else one guarded graph (per set of weights)."""
+    from fxpass.jit import shapes
+    from fxpass.jit.guarded import GuardedGraph
 
-    return aot_backend(fw, freeze=opts.freeze_weights)(gm, example_inputs)
+    keyed, frame = shapes.specializable(aot_gm), shapes.frame_key(aot_gm)
+    if keyed is not None:  # symbolic sizes: one static variant per input signature
+        # at its first call it compiles the shapes the frame's earlier graphs served
+        return shapes.ShapeVariants(aot_gm, keyed, opts, lambda gm: GuardedGraph(gm, opts),
+                                    frame)
+    run = GuardedGraph(aot_gm, opts)
+    shapes.remember(frame, shapes.tensor_shapes(
+        p.meta.get("val") for p in aot_gm.graph.find_nodes(op="placeholder")))
+    return run
 
 
 def _clone(gm: GraphModule) -> GraphModule:

@@ -277,11 +277,13 @@ def region_entry(module: str, rid: int, name: str, c: Any, rg: Any, r: Any) -> d
 
 def load(
     cache: Any, key: str, opts: Options, frozen: dict[str, torch.Tensor],
+    rebuild: Callable[[int], GraphModule] | None = None,
 ) -> tuple[dict, list[tuple[dict, Any]]] | None:
     """The stored plan and each region's loaded artifact (``compile.Compiled``), or None.
 
     Any missing, evicted or unreadable part is a miss: the graph compiles cold and the plan is
-    written again. Never an error, never a partial plan.
+    written again. Never an error, never a partial plan. ``rebuild(rid)``: region ``rid``'s
+    graph made again, for a device that must remake a part of its artifact (``Region``).
     """
     from fxpass.device import Context, Region
 
@@ -297,8 +299,9 @@ def load(
         loaded = []
         for r in plan["regions"]:
             weights = {c: frozen[p] for c, p in r["sources"].items()}  # plans before: a miss
-            c = device.reopen(Region(None, r["name"], r["key"], r["input_names"], r["sources"]),
-                              weights, ctx)
+            again = functools.partial(rebuild, r["rid"]) if rebuild is not None else None
+            c = device.reopen(Region(None, r["name"], r["key"], r["input_names"], r["sources"],
+                                     rebuild=again), weights, ctx)
             if c is None:
                 return None
             loaded.append((r, c))
@@ -350,7 +353,7 @@ def apply(
 
     frozen = {p.name: p.meta[FROZEN] for p in gm.graph.find_nodes(op="placeholder")
               if FROZEN in p.meta}
-    got = load(cache, key, opts, frozen)
+    got = load(cache, key, opts, frozen, rebuild)
     if got is None:
         return None
     plan, loaded = got

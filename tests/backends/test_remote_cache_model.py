@@ -168,6 +168,7 @@ def test_explain_says_where_each_region_comes_from(tmp_path, fleet, server, monk
 
 CHILD = textwrap.dedent("""
     import json, os, sys, torch
+    import fxpass
     import fxpass.tools.zoo as zoo
     from fxpass.backends.onnx.host import prepare
     prepare.TIER_MIN_BYTES = 0
@@ -181,15 +182,25 @@ CHILD = textwrap.dedent("""
         opts["remote_cache"] = spec["url"]
     with torch.no_grad():
         ref = model(**kw).logits
-        out = torch.compile(model, backend="fxpass_bpu", dynamic=False, options=opts)(**kw)
+        f = (fxpass.precompile(model, "bpu", opts) if spec.get("precompile") else
+             torch.compile(model, backend="fxpass_bpu", dynamic=False, options=opts))
+        out = f(**kw)
     from fxpass.backends.bpu import settle
     settle()
+    with torch.no_grad():  # the second tier, built meanwhile, answers the same
+        again = f(**kw)
     if spec.get("export"):
         from fxpass.jit.bundle import export_bundle
         export_bundle(spec["export"], spec["cache"])
     from fxpass.jit.backend import CACHE_STATS, STATS
-    print("RESULT " + json.dumps({"err": (out.logits - ref).abs().max().item(),
-                                  "cache": dict(CACHE_STATS), "stats": dict(STATS)}))
+    from fxpass.jit.precompile import STATS as PRE
+    import fxpass
+    print("RESULT " + json.dumps({"err": max((out.logits - ref).abs().max().item(),
+                                             (again.logits - ref).abs().max().item()),
+                                  "cache": dict(CACHE_STATS), "stats": dict(STATS),
+                                  "entries": dict(PRE),
+                                  "sources": [g.source for r in fxpass.compile_reports()
+                                              for g in r.regions]}))
 """)
 
 
@@ -231,3 +242,42 @@ def test_bundle_preloads_a_process_that_compiles_nothing(tmp_path):
     assert second["cache"].get("region_weights_rebuilt", 0) == 0
     assert second["cache"]["region_local_hit"] == 1
     assert second["stats"].get("plan_hit") == 1 and not second["stats"].get("rules")
+
+
+@pytest.mark.slow
+def test_untiered_region_from_the_fleet_runs_while_its_weights_rebuild(tmp_path, server):
+    """A one-token region is not tiered where it compiles, and the fleet keeps no weights
+    file: a new machine's plan hit runs on the entry's in-place model while the prepacked
+    session is rebuilt from its own weights, instead of compiling cold."""
+    server.client().flushall()
+    one = {**MODEL, "tokens": 1}
+    (first,) = _children([{"model": one, "cache": str(tmp_path / "a"), "url": server.url}])
+    assert first["sources"] == ["compiled"]
+    (fresh,) = _children([{"model": one, "cache": str(tmp_path / "b"), "url": server.url}])
+    assert fresh["err"] < 1e-4
+    assert fresh["sources"][0] == "remote hit"
+    assert fresh["stats"].get("plan_hit") and not fresh["stats"].get("region_compiles")
+    assert fresh["cache"]["region_weights_rebuilt"] == 1
+    (local,) = _children([{"model": one, "cache": str(tmp_path / "b"), "url": server.url}])
+    assert local["sources"][0] == "local hit"
+    assert not local["cache"].get("region_weights_rebuilt")
+
+
+@pytest.mark.slow
+def test_precompiled_entry_starts_a_fresh_machine_without_a_trace(tmp_path, server):
+    """fxpass.precompile through the fleet: the second machine loads the trace and its regions
+    from Redis (into its own cache directory, not the first machine's), signed entries only."""
+    server.client().flushall()
+    signed = {R.SECRET_ENV: "fleet-secret"}
+    spec = {"model": MODEL, "url": server.url, "precompile": True}
+    (first,) = _children([{**spec, "cache": str(tmp_path / "a")}], signed)
+    assert first["entries"] == {"traced": 1} and first["sources"][0] == "compiled"
+    (fresh,) = _children([{**spec, "cache": str(tmp_path / "b")}], signed)
+    assert fresh["err"] < 1e-4
+    assert fresh["entries"] == {"remote_hit": 1}  # no trace
+    assert fresh["sources"][0] == "remote hit" and fresh["stats"].get("plan_hit")
+    assert list((tmp_path / "b").rglob("*.host.onnx"))  # its own directory
+    # without the secret the store's entries are not code this process runs
+    (unsigned,) = _children([{**spec, "cache": str(tmp_path / "c")}], {R.SECRET_ENV: ""})
+    assert unsigned["err"] < 1e-4
+    assert unsigned["entries"] == {"unshared": 1, "traced": 1}

@@ -151,7 +151,12 @@ def test_prefill_entry_keeps_its_weights_in_a_file_beside_the_model(tmp_path, mo
 @pytest.mark.parametrize("fault", ["damaged", "missing"])
 def test_prefill_entry_without_its_weights_file_is_rebuilt(fault, tmp_path, monkeypatch):
     """The weights file is verified like the model: a damaged one (a flipped byte) is
-    reported and rebuilt, a missing one (evicted) is a miss; never a wrong answer."""
+    reported and deleted; then, as for a missing one (evicted, or never published by a remote
+    tier), the entry's models run from this graph's own weights while the weights file is
+    rebuilt from them; never a wrong answer."""
+    from fxpass.backends.bpu import settle
+    from fxpass.jit.remote import STATS
+
     m, x = _model(), torch.randn(16, 64)
     _compile(m, x, tmp_path, monkeypatch)
     weights = _entry_files(tmp_path)["host.bin"]
@@ -162,14 +167,18 @@ def test_prefill_entry_without_its_weights_file_is_rebuilt(fault, tmp_path, monk
         raw[-5] ^= 0xFF  # inside the last weight
         weights.write_bytes(bytes(raw))
     twin = _model()
+    rebuilt = STATS["region_weights_rebuilt"]
     if fault == "damaged":
         with pytest.warns(UserWarning, match="corrupt"):
             c, out = _compile(twin, x, tmp_path, monkeypatch)
     else:
         c, out = _compile(twin, x, tmp_path, monkeypatch)
-    assert fxpass.compile_reports()[-1].regions[0].cached is False
+    settle()
+    assert fxpass.compile_reports()[-1].regions[0].cached is True  # its models
+    assert STATS["region_weights_rebuilt"] == rebuilt + 1
     with torch.no_grad():
         torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c(x), twin(x), rtol=1e-5, atol=1e-5)  # prepacked again
     assert _entry_files(tmp_path)["host.bin"].stat().st_size > 0, "stored again"
 
 

@@ -92,9 +92,10 @@ def compile_ort(
     that first tier's model (``.fast.onnx``, kilobytes), so a hit opens it at once too."""
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     if cache is not None:
-        check = _unchanged(rg, buffers)
+        check = unchanged_check(rg, buffers)
         hit = cached_ort(cache, key, input_names, threads, buffers, tiered, rebuild=lambda: (
-            _rebuild(rg, name, key, input_names, cache, threads, fuse, rows, buffers, check)))
+            rebuild_weights(rg, name, key, input_names, cache, threads, fuse, rows, buffers,
+                            check)))
         if hit is not None:
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
@@ -117,7 +118,7 @@ def compile_ort(
             fast = OrtExecutor(data, input_names, threads=threads, shared=shared, prepack=False,
                                arena=False)
             fast_meta = {n: attrs[n] for n in shared}  # input -> region attribute
-            unchanged = _unchanged(rg, buffers)
+            unchanged = unchanged_check(rg, buffers)
             # a fleet's other processes wait for this entry (remote tier): until it is stored
             done = cache.hold(key) if cache is not None else (lambda: None)
 
@@ -137,7 +138,7 @@ def compile_ort(
                       None if fuse else {}, rows=rows)
 
 
-def _unchanged(rg: RegionGraph, buffers: dict[str, torch.Tensor]) -> Any:
+def unchanged_check(rg: RegionGraph, buffers: dict[str, torch.Tensor]) -> Any:
     """A check that the region's weights still hold what its key names (memoized digests)."""
     keyed = {c: tensor_digest(t) for c, t in buffers.items()}
 
@@ -152,7 +153,7 @@ def _unchanged(rg: RegionGraph, buffers: dict[str, torch.Tensor]) -> Any:
     return unchanged
 
 
-def _rebuild(
+def rebuild_weights(
     rg: RegionGraph, name: str, key: str, input_names: list[str], cache: ArtifactCache,
     threads: int | None, fuse: bool, rows: int | None, buffers: dict[str, torch.Tensor],
     check: Any,
@@ -160,7 +161,8 @@ def _rebuild(
     """The prepacked second tier of an entry whose weights file is not here: a remote cache
     publishes the region's models (kilobytes), not the weights file (the size of the weights:
     prepacked weights every client makes from its own). Built from this graph's weights as a
-    cold compile's second tier is, in the background, and stored locally only."""
+    cold compile's second tier is, in the background, and stored locally only.
+    (``rows``: ``compile_ort``'s; ``check``: :func:`unchanged_check` of ``buffers``.)"""
     from fxpass.jit.remote import STATS
 
     STATS["region_weights_rebuilt"] += 1
@@ -233,6 +235,14 @@ def build_ort(
                 "prepack": prepack, "weights": WEIGHTS_SUFFIX}
         keep_optimized = prepack and saves_prepacked(proto)
         meta["optimized"] = keep_optimized
+        if fast is None and prepack and tmp is not None and buffers:
+            # an untiered entry keeps an in-place-weights model too (kilobytes): a process
+            # whose cache lacks the weights file (a remote tier keeps none) runs on it while
+            # it rebuilds that file, instead of compiling the region cold
+            first = in_place_model(proto, weights, buffers)
+            if first is not None:
+                fast = (first[0], {n: first[2][n] for n in first[1]})
+                meta["tiered"] = False
 
         def session(model: bytes | str, optimized_path: str | None = None) -> OrtExecutor:
             # a model onnxruntime saves optimized keeps its weights in its own file: read

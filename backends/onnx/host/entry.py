@@ -50,8 +50,9 @@ def cached_ort(
     prepacked model in the background; if that fails, the entry is discarded (the next process
     compiles it again) and the first tier keeps running.
     ``rebuild``: builds the prepacked session from this graph's own weights when the entry's
-    weights file is not here (a remote cache publishes no weights, ``fxpass.jit.remote``);
-    without it, such an entry is a miss."""
+    weights file is not here (a remote cache publishes no weights, ``fxpass.jit.remote``): in
+    the background behind a tiered entry's first tier, at once for an untiered one; without
+    it, such an entry is a miss."""
     hit = cache.get_path(key, ".host.onnx")
     info = cache.get(key, ".host.json")
     if hit is None or info is None:
@@ -93,8 +94,11 @@ def cached_ort(
         if not _readable_in_place(inits):
             inits = {}
         parts = meta.get("parts")
+        # an untiered entry opens its first tier only to rebuild a weights file it lacks
+        untiered = meta.get("tiered") is False and os.path.isfile(cache.path(key,
+                                                                             WEIGHTS_SUFFIX))
         first = _first_tier(cache, key, meta, parts, input_names, threads, weights) if (
-            tiered and external is not None) else None
+            tiered and external is not None and not untiered) else None
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         warn_unloadable(path, e)
         return None
@@ -136,6 +140,15 @@ def cached_ort(
                 return rebuild()
         return Compiled(TieredExecutor(first, build, key[:12]), key, True, size, fusions)
     ex = second(strict=False)
+    if ex is None and external is not None and rebuild is not None and not cache.has(
+            key, WEIGHTS_SUFFIX):
+        # an untiered entry (one row per GEMM) from the remote tier, which keeps no weights
+        # files: its models are here, the prepacked weights are made from this graph's own
+        try:
+            ex = rebuild()
+        except Exception as e:  # noqa: BLE001 - a rebuild that fails: compile instead
+            warn_unloadable(path, e)
+            return None
     return None if ex is None else Compiled(ex, key, True, size, fusions)
 
 
