@@ -232,12 +232,16 @@ def test_eight_processes_on_an_empty_redis_compile_each_region_once(tmp_path, se
 
 
 @pytest.mark.slow
-def test_bundle_preloads_a_process_that_compiles_nothing(tmp_path):
+@pytest.mark.parametrize("pre", [False, True], ids=["torch.compile", "precompile"])
+def test_bundle_preloads_a_process_that_compiles_nothing(tmp_path, pre):
     bundle = str(tmp_path / "warm.tar")
-    (first,) = _children([{"model": MODEL, "cache": str(tmp_path / "a"), "export": bundle}])
+    (first,) = _children([{"model": MODEL, "cache": str(tmp_path / "a"), "export": bundle,
+                           "precompile": pre}])
     assert first["cache"].get("region_compiled") == 1
-    (second,) = _children([{"model": MODEL, "cache": str(tmp_path / "new"), "import": bundle}])
+    (second,) = _children([{"model": MODEL, "cache": str(tmp_path / "new"), "import": bundle,
+                            "precompile": pre}])
     assert second["err"] < 1e-4
+    assert second["entries"] == ({"local_hit": 1} if pre else {})  # not even a trace
     assert second["cache"].get("region_compiled", 0) == 0
     assert second["cache"].get("region_weights_rebuilt", 0) == 0
     assert second["cache"]["region_local_hit"] == 1
