@@ -172,3 +172,24 @@ def test_bad_arguments_say_what_to_pass():
         fxpass.precompile(lambda x: x, "ort")
     with pytest.raises(TypeError, match="unknown option"):
         fxpass.precompile(Scaled(), "ort", {"no_such_option": 1})
+
+
+def test_options_reach_the_loaded_graph(opts, tmp_path, monkeypatch):
+    """freeze_weights=False: weights are inputs at every call, so a write is seen at once;
+    cache=False: nothing stored, every Precompiled traces."""
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 32)
+    with torch.no_grad():
+        fast = fxpass.precompile(model, "ort", {**opts, "freeze_weights": False})
+        torch.testing.assert_close(fast(x), model(x), **TOL)
+        model.b.bias.add_(1.0)
+        torch.testing.assert_close(fast(x), model(x), **TOL)
+        (report,) = [r for r in fxpass.compile_reports()]  # one compile: nothing rebuilt
+        assert report.regions and report.regions[0].fallback is None
+        monkeypatch.setenv("FXPASS_CACHE_DIR", str(tmp_path / "default"))
+        off = {"min_compute_macs": 0, "cache": False}
+        s = _stats()
+        for _ in range(2):
+            torch.testing.assert_close(fxpass.precompile(model, "ort", off)(x), model(x), **TOL)
+        assert _delta(s) == {"traced": 2}
+    assert not list((tmp_path / "default").rglob("*"))
