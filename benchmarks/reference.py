@@ -34,6 +34,15 @@ SUITE: list[tuple[str, ...]] = [
      "On random weights near-flat logits make w4's agreement low for every runner alike; "
      "SmolLM2 (real weights, from its Q4_1 GGUF, so int4 at block 32 nearly re-quantizes "
      "it) is the model to read quality on. See docs/quantization.md."),
+    ("weight_only", "weight_only-executorch", 30,
+     "The same suite run by an interpreter that has ExecuTorch (its own environment: "
+     "`python -m venv --system-site-packages .et && .et/bin/pip install executorch==1.5.1 "
+     "\"torchao>=0.18,<0.19\" -c constraints.txt`, then the command above with "
+     "`.et/bin/python`; `benchmarks/executorch.py`), on the two 4 x 512 models: ExecuTorch "
+     "XNNPACK fp32 and 8da4w (torchao's int8 dynamic activations, int4 weights in groups of "
+     "32) beside the packages and GenAI, in one run. \"vs executorch\" divides package-fp32 "
+     "by et-fp32 and package-w4 by et-8da4w.",
+     "--models qwen3-4x512,llama-4x512 --tag executorch"),
     ("generate", "generate", 40,
      "The JIT path: `generate()` with a static cache through eager, inductor, fxpass_bpu, "
      "fxpass_ort and GenAI, beside the `ort` package of the same weights (\"package\": "

@@ -3,7 +3,9 @@
 builds of the same weights.
 
 ``python -m benchmarks.weight_only [--quick] [--models qwen3-4x512,llama-4x512,smollm2]
-[--repeats 5]`` (also run by ``python -m benchmarks.deploy``)
+[--repeats 5]`` (also run by ``python -m benchmarks.deploy``). Run by an interpreter that has
+ExecuTorch (its own environment, ``benchmarks/executorch.py``), it adds ExecuTorch XNNPACK's
+fp32 and 8da4w rows.
 
 Per model, greedy, a 32-token prompt (SmolLM2: a chat prompt through its template):
 
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import executorch as ET
 from benchmarks import harness
 from benchmarks.generate import GenAI, _build, _hf_generate
 
@@ -188,17 +191,20 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
     genai = {c: GenAI(model, ids, max_len, p, e, tokenizer) for c, (p, e) in GENAI.items()
              if not (quick and c.endswith("b128"))}
     jit = {c: _jit(model, max_len, o) for c, o in JIT.items() if not quick or c == "jit-w4"}
+    et = {c: ET.ExecuTorch(model, ids, max_len, q) for c, q in ET.CONTENDERS.items()
+          } if ET.available() else {}  # its own environment: benchmarks/executorch.py
     runners = {"eager-static": _hf_generate(model, ids, cache_implementation="static"),
                **{c: _hf_generate(m, ids) for c, m in jit.items()},
                # eos_token_id=[]: every contender makes exactly n tokens (SmolLM2 has an end)
                **{c: (lambda n, r=p["runner"]: r.generate(ids, max_new_tokens=n,
                                                           eos_token_id=[]))
                   for c, p in packages.items()},
-               **genai}
+               **genai, **et}
     quality = {"eager-static": _quality(ref, ref, text)}
     quality.update({c: _quality(_package_logits(p["runner"], text), ref, text)
                     for c, p in packages.items()})
     quality.update({c: _quality(_genai_logits(g, text), ref, text) for c, g in genai.items()})
+    quality.update({c: _quality(e.logits(text), ref, text) for c, e in et.items()})
     eager = runners["eager-static"](max(new_tokens))[0, prompt:]
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
@@ -207,8 +213,10 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
     size = {c: p["size"] / weights for c, p in packages.items()}
     size.update({c: sum(f.stat().st_size for f in g.dir.rglob("*") if f.is_file()) / weights
                  for c, g in genai.items()})
+    size.update({c: e.size / weights for c, e in et.items()})
     first = {c: _first_token(p["load"], ids) for c, p in packages.items()}
     first.update({c: _first_token(lambda g=g: _OgLoaded(g), ids) for c, g in genai.items()})
+    first.update({c: _first_token(lambda e=e: ET.Loaded(e), ids) for c, e in et.items()})
     decode, first_ms = harness.decode_ms_per_token(runners, new_tokens, repeats, budget_s=40.0)
     return {"model": name, "new_tokens": list(new_tokens), "weights_mb": weights / 1e6,
             "decode_ms_per_token": decode, "quality": quality, "size_vs_weights": size,
@@ -231,6 +239,11 @@ class _OgLoaded:
             self.g.model = model
 
 
+#: a package row -> the ExecuTorch row it is compared with (int4 weights: 8da4w, block 32)
+ET_PAIR = {"package-fp32": "et-fp32", "package-w4": "et-8da4w", "et-fp32": "et-fp32",
+           "et-8da4w": "et-8da4w"}
+
+
 def to_markdown(data: dict[str, Any]) -> str:
     rows = []
     for r in data["runs"]:
@@ -247,6 +260,9 @@ def to_markdown(data: dict[str, Any]) -> str:
                    for n in r["new_tokens"]},
                 "vs its fp32": _ratio(per, fp32, r["new_tokens"]),
                 "vs genai-int4 (same block)": _ratio(per, g4, r["new_tokens"]) if g4 else "",
+                **({"vs executorch (fp32 / 8da4w)": _ratio(per, et, r["new_tokens"])
+                    if (et := r["decode_ms_per_token"].get(ET_PAIR.get(c, ""))) else ""}
+                   if "et-fp32" in r["decode_ms_per_token"] else {}),
                 "load -> 1st token s": (f"{r['load_to_first_token_s'][c]:.2f}"
                                         if c in r["load_to_first_token_s"] else ""),
                 "size vs fp32": (f"{r['size_vs_weights'][c]:.2f}x"
@@ -272,12 +288,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated subset of qwen3-4x512, llama-4x512, smollm2")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--tag", default=None,
+                    help="results go to weight_only-<tag>.{md,json} (a subset of the models)")
     args = ap.parse_args(argv)
-    run(args.models, args.quick, args.repeats, args.out)
+    run(args.models, args.quick, args.repeats, args.out, args.tag)
 
 
-def run(models: str | None, quick: bool, repeats: int, out: str | None) -> dict[str, Any]:
-    """Every model's rows; written to ``out`` as ``weight_only[-quick].md`` unless None."""
+def run(models: str | None, quick: bool, repeats: int, out: str | None,
+        tag: str | None = None) -> dict[str, Any]:
+    """Every model's rows; written to ``out`` as ``weight_only[-quick|-tag].md`` unless None."""
     names = models.split(",") if models else (
         ["qwen3-4x512"] if quick else ["qwen3-4x512", "llama-4x512", "smollm2"])
     new_tokens = (32,) if quick else (32, 128)
@@ -287,8 +306,9 @@ def run(models: str | None, quick: bool, repeats: int, out: str | None) -> dict[
             print(f"[weight_only] {name} ...", file=sys.stderr, flush=True)
             data["runs"].append(run_model(name, new_tokens, repeats, Path(tmp), quick))
     if out is not None:
-        harness.write_results(out, "weight_only-quick" if quick else "weight_only", data,
-                              to_markdown(data))
+        name = f"weight_only-{tag}" if tag else (
+            "weight_only-quick" if quick else "weight_only")
+        harness.write_results(out, name, data, to_markdown(data))
     return data
 
 
