@@ -53,8 +53,8 @@ OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "max_shape_variants": (
         int,
         f"static variants one symbolic graph keeps, one per input signature (default "
-        f"{MAX_SHAPE_VARIANTS}; least recently used evicted with its sessions; a new shape past "
-        "it still compiles)",
+        f"{MAX_SHAPE_VARIANTS}; past it a new shape runs eagerly unless called more than "
+        "twice as often as the least-called kept one, which it then replaces)",
     ),
     "max_variants": (
         int,
