@@ -222,6 +222,8 @@ class Precompiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback is not None:
             return self._fallback(*args, **kwargs)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
+            return self._needs_grad(*args, **kwargs)
         sig = (signature(args, kwargs), self.model.training)
         fn = self.fns.get(sig)
         if fn is None:
@@ -243,6 +245,16 @@ class Precompiled:
             return fn.fn(self.model, args, kwargs)
         finally:
             CURRENT.reset(token)
+
+    def _needs_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``torch.compile(backend="fxpass_<device>")`` does: the graphs are inference
+        graphs, so a call that records gradients runs eagerly (gradients stay correct)."""
+        msg = ("fxpass.precompile compiles inference graphs only; this call records "
+               "gradients, so it runs eagerly. Wrap inference in torch.no_grad()")
+        if self.opts.strict:
+            raise RuntimeError(msg + " (strict=True)")
+        _warn_once(f"grad:{id(self)}", msg)
+        return self.model(*args, **kwargs)
 
     def _entry(self, key: str, args: tuple, kwargs: dict) -> Any:
         cache = self._cache()

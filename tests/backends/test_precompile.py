@@ -193,3 +193,20 @@ def test_options_reach_the_loaded_graph(opts, tmp_path, monkeypatch):
             torch.testing.assert_close(fxpass.precompile(model, "ort", off)(x), model(x), **TOL)
         assert _delta(s) == {"traced": 2}
     assert not list((tmp_path / "default").rglob("*"))
+
+
+def test_a_call_that_records_gradients_runs_eagerly(opts):
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 32)
+    fast = fxpass.precompile(model, "ort", opts)
+    s = _stats()
+    with pytest.warns(UserWarning, match="inference graphs only.*torch.no_grad"):
+        out = fast(x)
+    out.sum().backward()  # the gradients are eager's
+    assert model.a.weight.grad is not None
+    assert _delta(s) == {}  # nothing traced
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), **TOL)
+    assert _delta(s) == {"traced": 1}
+    with pytest.raises(RuntimeError, match="inference graphs only.*strict=True"):
+        fxpass.precompile(model, "ort", {**opts, "strict": True})(x)
