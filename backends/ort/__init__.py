@@ -240,14 +240,20 @@ def _weights_rebuild(region: Region, ctx: Context) -> Callable[[], Any] | None:
     if region.rebuild is None:
         return None
 
-    def rebuild() -> Any:
+    def rebuild(untiered: bool = False) -> Any:
         from fxpass.backends.onnx.host.build import rebuild_weights, unchanged_check
+        from fxpass.jit.backend import region_cache_key
 
         o = ctx.device_options
         rg = Region(region.rebuild(), region.name, region.key, region.input_names,
                     region.sources)
+        # the graph made again must be the one the entry was compiled from, or its weights
+        # file would be stored under another graph's key
+        if region_cache_key(rg, ctx.options) != region.key:
+            raise RuntimeError(f"region {region.name} rebuilt as another graph (its key "
+                               "differs): compiled afresh instead")
         buffers = {c: getattr(rg.gm, c) for c in rg.sources}
         return rebuild_weights(rg, rg.name, rg.key, rg.input_names, ctx.cache, o.threads,
                                o.host_fusions, None if o.prepack_one_row else 1, buffers,
-                               unchanged_check(rg, buffers))
+                               unchanged_check(rg, buffers), untiered)
     return rebuild

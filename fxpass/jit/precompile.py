@@ -47,6 +47,8 @@ log = logging.getLogger("fxpass.jit")
 
 SUFFIX = ".pt2fn"
 MAX_ENTRY_BYTES = 256 << 20  # decompressed: more is not an entry this code wrote
+#: input signatures one ``Precompiled`` keeps loaded (the oldest dropped; its entry stays)
+MAX_SIGNATURES = 64
 FORMAT = "fxpass-precompiled-1"
 #: where each entry came from in this process: "local_hit", "remote_hit", "traced",
 #: "refused" (a stored entry that failed a check), "unshared" (remote tier without a secret),
@@ -60,14 +62,30 @@ def _forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     return model(*args, **kwargs)
 
 
-def _serializable_guards(entries: list) -> list[bool]:
-    """Dynamo's guards that can be saved: not on globals, not on object identities (ids do not
-    survive a process). The entry's key and source check stand in for what they covered."""
+class Unsaved(Exception):
+    """A guard the entry would have to drop and nothing else covers: not precompiled."""
+
+
+def _serializable_guards(dropped: list[str]) -> Callable[[list], list[bool]]:
+    """Dynamo's guard filter for a saved trace. Guards on object identities cannot be saved
+    (ids do not survive a process): those on globals (module state) and on a class's own
+    attributes (``type(...)``: its methods, covered by the key's class name and the source
+    check) are dropped, as torch's own precompile drops them. Any other such guard (an
+    instance's ``forward`` replaced by a hook, say) would leave the entry unchecked where
+    it matters: it is listed in ``dropped``, and the model is not precompiled."""
     from torch._dynamo.guards import CheckFunctionManager
 
     bad = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-    return [not (g.is_global or g.guard_type in bad or bad & set(g.derived_guard_types))
-            for g in entries]
+
+    def keep(entries: list) -> list[bool]:
+        out = []
+        for g in entries:
+            unsaved = g.guard_type in bad or bool(bad & set(g.derived_guard_types))
+            if unsaved and not g.is_global and "type(" not in g.name:
+                dropped.append(f"{g.guard_type} on {g.name}")
+            out.append(not (g.is_global or unsaved))
+        return out
+    return keep
 
 
 def _leaf(x: Any) -> tuple:
@@ -102,11 +120,23 @@ def model_doc(model: torch.nn.Module, opts: Options) -> dict:
         "format": FORMAT,
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "weights": weights,
-        "config": to_json(use_diff=False) if callable(to_json) else repr(config),
+        "config": to_json(use_diff=False) if callable(to_json) else _plain_config(config),
         "device": opts.get_device().identity(opts.dev),
         "options": opts.region_keyed(),
         "versions": _versions(),
     }
+
+
+def _plain_config(config: Any) -> Any:
+    """A config without ``to_json_string`` as data (its ``repr`` may hold an address, which
+    would make every process's key differ)."""
+    if config is None:
+        return None
+    fields = getattr(config, "__dict__", None)
+    if isinstance(fields, dict):
+        return {k: v if isinstance(v, bool | int | float | str | type(None)) else
+                f"{type(v).__module__}.{type(v).__qualname__}" for k, v in sorted(fields.items())}
+    return f"{type(config).__module__}.{type(config).__qualname__}"
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -160,9 +190,11 @@ def _dump(fn: Any) -> bytes:
         refs[name] = ("module", v.__name__) if isinstance(v, types.ModuleType) else (
             "object", pickle.dumps(v))
     data = type(fn).serialize(fn).serialized_data
+    plain = pickle.dumps({"format": FORMAT, "fn": data, "refs": refs, "sources": srcs})
+    if len(plain) > MAX_ENTRY_BYTES:  # every loader would refuse it
+        raise Unsaved(f"an entry of {len(plain) >> 20} MiB, past {MAX_ENTRY_BYTES >> 20} MiB")
     # pickles of graphs and guards repeat themselves: 1.47 MB -> 97 kB for Qwen3 4 x 512
-    return zlib.compress(pickle.dumps({"format": FORMAT, "fn": data, "refs": refs,
-                                       "sources": srcs}), 6)
+    return zlib.compress(plain, 6)
 
 
 def _load(raw: bytes) -> tuple[Any | None, str | None]:
@@ -222,7 +254,10 @@ class Precompiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback is not None:
             return self._fallback(*args, **kwargs)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
+        if torch.is_grad_enabled() and (
+                any(p.requires_grad for p in self.model.parameters()) or any(
+                    isinstance(x, torch.Tensor) and x.requires_grad
+                    for x in pytree.tree_leaves((args, kwargs)))):
             return self._needs_grad(*args, **kwargs)
         sig = (signature(args, kwargs), self.model.training)
         fn = self.fns.get(sig)
@@ -240,6 +275,8 @@ class Precompiled:
         if fn is None:
             return self._fallback(*args, **kwargs)  # type: ignore[misc]
         self.fns[sig] = fn
+        if len(self.fns) > MAX_SIGNATURES:  # a long-running server's shapes: bounded
+            del self.fns[next(iter(self.fns))]
         token = CURRENT.set(self.opts)  # a graph's first call compiles with these options
         try:
             return fn.fn(self.model, args, kwargs)
@@ -281,12 +318,15 @@ class Precompiled:
                cache: Any = None) -> Any:
         from fxpass.jit import outputcode
 
+        dropped: list[str] = []
         try:
             traced = torch.compile(
                 _forward, fullgraph=True, dynamic=False,
                 backend=outputcode.backend(),
-                options={"guard_filter_fn": _serializable_guards},
+                options={"guard_filter_fn": _serializable_guards(dropped)},
             ).aot_compile(((self.model, args, kwargs), {}))
+            if dropped:
+                raise Unsaved(f"a guard that cannot be saved: {dropped[0][:160]}")
             raw = _dump(traced)
         except Exception as e:  # noqa: BLE001 - not precompilable: torch.compile instead
             msg = (f"fxpass.precompile: {type(self.model).__name__} cannot be precompiled "

@@ -95,8 +95,9 @@ def test_bad_entry_is_refused_and_traced_again(opts, damage, monkeypatch):
             entry["format"] = "fxpass-precompiled-0"
             bad = zlib.compress(pickle.dumps(entry))
         else:  # decompresses past the bound (a bomb would): refused before unpickling
-            monkeypatch.setattr(P, "MAX_ENTRY_BYTES", len(zlib.decompress(raw)) - 1)
-            bad = raw
+            monkeypatch.setattr(P, "MAX_ENTRY_BYTES", len(zlib.decompress(raw)) + 1000)
+            entry["pad"] = bytes(2000)
+            bad = zlib.compress(pickle.dumps(entry))
         ArtifactCache(opts["cache_dir"]).put(key, P.SUFFIX, bad)
         torch._dynamo.reset()
         s = _stats()
@@ -175,17 +176,22 @@ def test_bad_arguments_say_what_to_pass():
 
 
 def test_options_reach_the_loaded_graph(opts, tmp_path, monkeypatch):
-    """freeze_weights=False: weights are inputs at every call, so a write is seen at once;
-    cache=False: nothing stored, every Precompiled traces."""
+    """An entry traced with the default options, loaded by a Precompiled with
+    freeze_weights=False: weights are inputs at every call, so a write is seen without a
+    rebuild. cache=False: nothing stored, every Precompiled traces."""
     torch.manual_seed(0)
     model, x = Scaled(), torch.randn(4, 32)
     with torch.no_grad():
+        fxpass.precompile(model, "ort", opts)(x)
+        torch._dynamo.reset()
+        s = _stats()
         fast = fxpass.precompile(model, "ort", {**opts, "freeze_weights": False})
         torch.testing.assert_close(fast(x), model(x), **TOL)
+        assert _delta(s) == {"local_hit": 1}
+        n = len(fxpass.compile_reports())
         model.b.bias.add_(1.0)
         torch.testing.assert_close(fast(x), model(x), **TOL)
-        (report,) = [r for r in fxpass.compile_reports()]  # one compile: nothing rebuilt
-        assert report.regions and report.regions[0].fallback is None
+        assert len(fxpass.compile_reports()) == n  # nothing rebuilt
         monkeypatch.setenv("FXPASS_CACHE_DIR", str(tmp_path / "default"))
         off = {"min_compute_macs": 0, "cache": False}
         s = _stats()
@@ -210,3 +216,10 @@ def test_a_call_that_records_gradients_runs_eagerly(opts):
     assert _delta(s) == {"traced": 1}
     with pytest.raises(RuntimeError, match="inference graphs only.*strict=True"):
         fxpass.precompile(model, "ort", {**opts, "strict": True})(x)
+    # an input that records gradients, on a model whose weights do not
+    for p in model.parameters():
+        p.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    s = _stats()
+    fast(xg).sum().backward()
+    assert xg.grad is not None and _delta(s) == {}

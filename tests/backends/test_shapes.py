@@ -75,14 +75,14 @@ def test_variants_are_bounded_and_evicted_memory_is_released(fresh, opts):
         # held weakly by the report, which outlives the variant (fxpass.compile_reports())
         sessions = [r.executor_ref for r in first().report.regions]
         assert sessions and all(s() is not None for s in sessions)
-        # 12 called three times: more than twice as often as the kept 8 and 10 by its third
-        # call, which compiles it in place of 8 (the least recently used of the two); 14
-        # once: it runs eagerly
-        for n in (10, 12, 12, 12, 14):
+        # 12 called four times (shapes.ADMIT_MIN_CALLS): more than twice as often as the kept
+        # 8 and 10 by its fourth call, which compiles it in place of 8 (the least recently
+        # used of the two); 14 once: it runs eagerly
+        for n in (10, 12, 12, 12, 12, 14):
             kw = _bert_inputs(n, seed=n)
             torch.testing.assert_close(c(**kw).last_hidden_state,
                                        model(**kw).last_hidden_state, **TOL)
-    assert len(sv.variants) == 2 and sv.eager_calls == 3  # 12's first two calls, and 14
+    assert len(sv.variants) == 2 and sv.eager_calls == 4  # 12's first three calls, and 14
     assert STATS["shape_evictions"] - evicted == 1 == sv.evictions
     gc.collect()
     assert first() is None  # the evicted variant, its sessions and memory are gone
@@ -145,7 +145,7 @@ def test_evicted_variants_leave_no_process_wide_state(fresh, opts):
         before = sizes()
         (sv,) = [s for s in shapes.INSTANCES if id(s) not in known]
         for n in range(6, 16):
-            for _ in range(WINDOW):  # each length the one in use for a while: compiled
+            for _ in range(shapes.ADMIT_SPACING_WINDOWS * WINDOW):  # the length in use: compiled
                 x = torch.randn(n, 16)
                 torch.testing.assert_close(c(x), m(x), **TOL)
     assert sv.evictions >= 8, sv.evictions
@@ -279,3 +279,13 @@ def test_concrete_args_solve_sizes_and_respect_the_guards(fresh):
     assert shapes.concrete_args(gm, [((1, 8), torch.float32), ((8, 6), torch.float32)]) is None
     assert shapes.concrete_args(gm, [((5, 8), torch.float64), ((8, 6), torch.float32)]) is None
     assert shapes.concrete_args(gm, [((5, 8), torch.float32)]) is None
+
+
+def test_strict_raises_instead_of_running_a_shape_eagerly(fresh, opts):
+    m = torch.nn.Linear(16, 16).eval()
+    c = torch.compile(m, backend="fxpass_ort", dynamic=True,
+                      options={**opts, "max_shape_variants": 1, "strict": True})
+    with torch.no_grad():
+        c(torch.randn(3, 16))
+        with pytest.raises(Exception, match="would run eagerly.*strict=True"):
+            c(torch.randn(4, 16))

@@ -207,6 +207,24 @@ def test_tiered_false_builds_the_prepacked_session_first(small_tier, tmp_path):
     assert meta["prepack"] is True and meta["tiered"] is False and "fast" in meta
     with torch.no_grad():
         torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    # a hit with its weights file opens the prepacked session at once, untiered
+    _compile(m, x, tmp_path)
+    assert _Tiered.made == [] and fxpass.compile_reports()[-1].regions[0].cached is True
+    # without it: the first tier answers while the file is rebuilt, and the entry stays
+    # untiered
+    from fxpass.jit.remote import STATS
+
+    rebuilt = STATS["region_weights_rebuilt"]
+    (weights,) = tmp_path.rglob("*.host.bin")
+    weights.unlink()
+    c, out = _compile(m, x, tmp_path)
+    (tier,) = _Tiered.made
+    assert _prepacks(tier.wait())
+    assert STATS["region_weights_rebuilt"] == rebuilt + 1
+    assert _meta(tmp_path)["tiered"] is False and list(tmp_path.rglob("*.host.bin"))
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
 
 
 def test_small_weights_are_not_tiered(tmp_path, monkeypatch):

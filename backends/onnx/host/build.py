@@ -93,9 +93,10 @@ def compile_ort(
     buffers = {c: getattr(rg.gm, c) for c in rg.sources}  # the frozen weights it holds
     if cache is not None:
         check = unchanged_check(rg, buffers)
-        hit = cached_ort(cache, key, input_names, threads, buffers, tiered, rebuild=lambda: (
-            rebuild_weights(rg, name, key, input_names, cache, threads, fuse, rows, buffers,
-                            check)))
+        hit = cached_ort(cache, key, input_names, threads, buffers, tiered,
+                         rebuild=lambda untiered=False: rebuild_weights(
+                             rg, name, key, input_names, cache, threads, fuse, rows, buffers,
+                             check, untiered))
         if hit is not None:
             return hit
     # the fusions rewrite a model without weight data (kilobytes); the weights go in once, last
@@ -156,13 +157,15 @@ def unchanged_check(rg: RegionGraph, buffers: dict[str, torch.Tensor]) -> Any:
 def rebuild_weights(
     rg: RegionGraph, name: str, key: str, input_names: list[str], cache: ArtifactCache,
     threads: int | None, fuse: bool, rows: int | None, buffers: dict[str, torch.Tensor],
-    check: Any,
+    check: Any, untiered: bool = False,
 ) -> OrtExecutor:
     """The prepacked second tier of an entry whose weights file is not here: a remote cache
     publishes the region's models (kilobytes), not the weights file (the size of the weights:
     prepacked weights every client makes from its own). Built from this graph's weights as a
     cold compile's second tier is, in the background, and stored locally only.
-    (``rows``: ``compile_ort``'s; ``check``: :func:`unchanged_check` of ``buffers``.)"""
+    (``rows``: ``compile_ort``'s; ``check``: :func:`unchanged_check` of ``buffers``;
+    ``untiered``: the entry was stored untiered, and stays so: ``build_ort`` keeps its
+    in-place model under ``"tiered": false``.)"""
     from fxpass.jit.remote import STATS
 
     STATS["region_weights_rebuilt"] += 1
@@ -172,7 +175,7 @@ def rebuild_weights(
     fusions: dict[str, int] = {}
     if fuse:
         proto, fusions, weights = _fused(proto, weights)
-    first = in_place_model(proto, weights, buffers)
+    first = None if untiered else in_place_model(proto, weights, buffers)
     fast = (first[0], {n: first[2][n] for n in first[1]}) if first is not None else None
     return build_ort(rg, key, input_names, cache.local_only(), threads, proto, weights,
                      buffers, fusions, fast, check, rows).executor

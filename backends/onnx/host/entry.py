@@ -36,7 +36,7 @@ def cached_ort(
     threads: int | None,
     weights: dict[str, torch.Tensor],
     tiered: bool = True,
-    rebuild: Callable[[], OrtExecutor] | None = None,
+    rebuild: Callable[..., OrtExecutor] | None = None,
 ) -> Compiled | None:
     """A verified hit, or None to compile: an entry that does not load is rebuilt, not eager.
 
@@ -94,11 +94,12 @@ def cached_ort(
         if not _readable_in_place(inits):
             inits = {}
         parts = meta.get("parts")
-        # an untiered entry opens its first tier only to rebuild a weights file it lacks
-        untiered = meta.get("tiered") is False and os.path.isfile(cache.path(key,
-                                                                             WEIGHTS_SUFFIX))
+        # an untiered entry opens its first tier only to rebuild a weights file neither this
+        # cache nor its remote tier has (the remote keeps small ones only)
+        untiered = meta.get("tiered") is False
         first = _first_tier(cache, key, meta, parts, input_names, threads, weights) if (
-            tiered and external is not None and not untiered) else None
+            tiered and external is not None
+            and not (untiered and cache.has(key, WEIGHTS_SUFFIX))) else None
     except Exception as e:  # noqa: BLE001 - any load failure of a cached entry means rebuild
         warn_unloadable(path, e)
         return None
@@ -137,7 +138,7 @@ def cached_ort(
                 cache.discard(key, ".host.json")  # the next process compiles it again
                 if rebuild is None:
                     raise
-                return rebuild()
+                return rebuild(untiered=untiered)
         return Compiled(TieredExecutor(first, build, key[:12]), key, True, size, fusions)
     ex = second(strict=False)
     if ex is None and external is not None and rebuild is not None and not cache.has(
@@ -145,7 +146,7 @@ def cached_ort(
         # an untiered entry (one row per GEMM) from the remote tier, which keeps no weights
         # files: its models are here, the prepacked weights are made from this graph's own
         try:
-            ex = rebuild()
+            ex = rebuild(untiered=untiered)
         except Exception as e:  # noqa: BLE001 - a rebuild that fails: compile instead
             warn_unloadable(path, e)
             return None
