@@ -242,16 +242,18 @@ def _weights_rebuild(region: Region, ctx: Context) -> Callable[[], Any] | None:
 
     def rebuild(untiered: bool = False) -> Any:
         from fxpass.backends.onnx.host.build import rebuild_weights, unchanged_check
-        from fxpass.jit.backend import region_cache_key
 
         o = ctx.device_options
         rg = Region(region.rebuild(), region.name, region.key, region.input_names,
                     region.sources)
-        # the graph made again must be the one the entry was compiled from, or its weights
-        # file would be stored under another graph's key
-        if region_cache_key(rg, ctx.options) != region.key:
-            raise RuntimeError(f"region {region.name} rebuilt as another graph (its key "
-                               "differs): compiled afresh instead")
+        # the graph made again must have the entry's inputs and weights, or its weights file
+        # would be built for another graph (the rules and partition are deterministic; this
+        # is the check that they were)
+        phs = [p.name for p in rg.gm.graph.find_nodes(op="placeholder")]
+        attrs = {n.target for n in rg.gm.graph.find_nodes(op="get_attr")}
+        if phs != list(region.input_names) or not set(region.sources) <= attrs:
+            raise RuntimeError(f"region {region.name} rebuilt as another graph (inputs "
+                               f"{phs[:4]}..., not {list(region.input_names)[:4]}...)")
         buffers = {c: getattr(rg.gm, c) for c in rg.sources}
         return rebuild_weights(rg, rg.name, rg.key, rg.input_names, ctx.cache, o.threads,
                                o.host_fusions, None if o.prepack_one_row else 1, buffers,

@@ -62,6 +62,13 @@ def _forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     return model(*args, **kwargs)
 
 
+def _covered(g: Any) -> bool:
+    """Whether the key and the source check stand in for a guard that cannot be saved: one on
+    a class's own attributes (``type(...)``: its methods, whose source is checked) or on a
+    module's class (``....__class__``: every submodule's class is in the key)."""
+    return "type(" in g.name or (g.guard_type == "CLASS_MATCH" and g.name.endswith(".__class__"))
+
+
 class Unsaved(Exception):
     """A guard the entry would have to drop and nothing else covers: not precompiled."""
 
@@ -69,8 +76,8 @@ class Unsaved(Exception):
 def _serializable_guards(dropped: list[str]) -> Callable[[list], list[bool]]:
     """Dynamo's guard filter for a saved trace. Guards on object identities cannot be saved
     (ids do not survive a process): those on globals (module state) and on a class's own
-    attributes (``type(...)``: its methods, covered by the key's class name and the source
-    check) are dropped, as torch's own precompile drops them. Any other such guard (an
+    attributes and a module's class (:func:`_covered`: the key and the source check stand in)
+    are dropped, as torch's own precompile drops them. Any other such guard (an
     instance's ``forward`` replaced by a hook, say) would leave the entry unchecked where
     it matters: it is listed in ``dropped``, and the model is not precompiled."""
     from torch._dynamo.guards import CheckFunctionManager
@@ -81,7 +88,7 @@ def _serializable_guards(dropped: list[str]) -> Callable[[list], list[bool]]:
         out = []
         for g in entries:
             unsaved = g.guard_type in bad or bool(bad & set(g.derived_guard_types))
-            if unsaved and not g.is_global and "type(" not in g.name:
+            if unsaved and not g.is_global and not _covered(g):
                 dropped.append(f"{g.guard_type} on {g.name}")
             out.append(not (g.is_global or unsaved))
         return out
@@ -119,6 +126,8 @@ def model_doc(model: torch.nn.Module, opts: Options) -> dict:
     return {
         "format": FORMAT,
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "modules": [[n, f"{type(m).__module__}.{type(m).__qualname__}"]
+                    for n, m in model.named_modules()],
         "weights": weights,
         "config": to_json(use_diff=False) if callable(to_json) else _plain_config(config),
         "device": opts.get_device().identity(opts.dev),
