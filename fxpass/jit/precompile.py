@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpass.jit.backend import _warn_once
 from fxpass.jit.options import Options, from_options
 from fxpass.jit.outputcode import CURRENT
 
@@ -54,7 +55,6 @@ FORMAT = "fxpass-precompiled-1"
 #: "refused" (a stored entry that failed a check), "unshared" (remote tier without a secret),
 #: "fallback" (the model could not be precompiled: it runs under torch.compile)
 STATS: Counter[str] = Counter()
-_WARNED: set[str] = set()
 
 
 def _forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -96,8 +96,8 @@ def _serializable_guards(dropped: list[str]) -> Callable[[list], list[bool]]:
 
 
 def _leaf(x: Any) -> tuple:
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), str(x.dtype), str(x.device), x.stride(), x.requires_grad)
+    if isinstance(x, torch.Tensor):  # dtype and device as objects: hashable, cheap per call
+        return ("T", tuple(x.shape), x.dtype, x.device, x.stride(), x.requires_grad)
     if x is None or isinstance(x, bool | int | float | str):
         return (type(x).__name__, x)
     return ("O", f"{type(x).__module__}.{type(x).__qualname__}")
@@ -152,11 +152,6 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     """The inputs' part of the key, hashable: each leaf's kind, shape and dtype, and the tree."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (tuple(_leaf(x) for x in leaves), str(spec), torch.is_grad_enabled())
-
-
-def entry_key(model: torch.nn.Module, args: tuple, kwargs: dict, opts: Options) -> str:
-    """The key of ``model``'s precompiled entry for these inputs (see the module docstring)."""
-    return _key(model_doc(model, opts), signature(args, kwargs), model.training)
 
 
 def _key(doc: dict, sig: tuple, training: bool) -> str:
@@ -354,12 +349,6 @@ class Precompiled:
         STATS["traced"] += 1
         self.sources[key] = f"traced ({why})" if why else "traced"
         return traced
-
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(msg, stacklevel=3)
 
 
 def precompile(model: torch.nn.Module, device: str = "bpu",
