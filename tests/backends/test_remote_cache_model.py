@@ -249,10 +249,10 @@ def test_bundle_preloads_a_process_that_compiles_nothing(tmp_path, pre):
 
 
 @pytest.mark.slow
-def test_untiered_region_from_the_fleet_runs_while_its_weights_rebuild(tmp_path, server):
+def test_untiered_region_from_the_fleet_is_a_plan_hit_with_its_weights_rebuilt(tmp_path, server):
     """A one-token region is not tiered where it compiles, and the fleet keeps no weights
-    file: a new machine's plan hit runs on the entry's in-place model while the prepacked
-    session is rebuilt from its own weights, instead of compiling cold."""
+    file: a new machine's plan hit rebuilds the prepacked session from its own weights
+    (behind the entry's in-place model), instead of compiling cold."""
     server.client().flushall()
     one = {**MODEL, "tokens": 1}
     (first,) = _children([{"model": one, "cache": str(tmp_path / "a"), "url": server.url}])
