@@ -294,10 +294,10 @@ def test_strict_raises_instead_of_running_a_shape_eagerly(fresh, opts):
 def _simulate(draw, calls: int, cap: int = 8) -> tuple[int, list[int]]:
     """ShapeVariants' own admission (``_count``, ``_admit``, ``_victim``) over a stream of
     signatures, compiles counted instead of made: (compiles, kept signatures at the end)."""
-    class O:
+    class Opts:
         max_shape_variants, strict, device = cap, False, "x"
 
-    sv = shapes.ShapeVariants(None, [], O(), None)
+    sv = shapes.ShapeVariants(None, [], Opts(), None)
     compiles = 0
     for i in range(calls):
         sig = draw(i)
