@@ -42,6 +42,16 @@ DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
 OPT_LEVEL = "ORT_ENABLE_ALL"
 
 
+#: a fused model's extra output (``host/decode_attention.py``): False when its kernels cannot
+#: answer this call exactly; the executor then declines the call (``RegionDeclined``)
+OK_OUTPUT = "fxpass_ok"
+
+
+class RegionDeclined(RuntimeError):
+    """The region's fused model cannot answer this call exactly (its ``fxpass_ok`` is False):
+    the region answers it as it answers any executor failure (eagerly, or an error)."""
+
+
 def ort_log_level() -> int:
     """onnxruntime's session log level: ``FXPASS_ORT_LOG_LEVEL`` (0 verbose, 1 info, 2 warning,
     3 error, 4 fatal), default 3: a clean compile prints nothing; set 2 to see the graph
@@ -133,12 +143,18 @@ class OrtExecutor:
         self.session._model_bytes = None
         self.input_names = input_names
         self.output_names = [o.name for o in self.session.get_outputs()]
+        #: where the model's ``OK_OUTPUT`` is among its outputs (None: it has none)
+        self._ok = self.output_names.index(OK_OUTPUT) if OK_OUTPUT in self.output_names else None
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
         if self._static:
             feeds.update(self._static)
         outs = self.session.run(self.output_names, feeds)
+        if self._ok is not None and not outs.pop(self._ok):
+            from fxpass.backends.onnx.host.decode_attention import DECLINED
+
+            raise RegionDeclined(DECLINED)
         return tuple(_tensor(o) for o in outs)
 
 

@@ -56,14 +56,18 @@ def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
     )
 
     from fxpass.backends.onnx.host.attention import fuse_attention
+    from fxpass.backends.onnx.host.decode_attention import fuse_decode_attention
     from fxpass.backends.onnx.host.output_view import output_views
     from fxpass.backends.onnx.host.rotary import fuse_rotary
     from fxpass.backends.onnx.host.row_write import fuse_row_writes
+    from fxpass.backends.onnx.host.unit_axes import fuse_unit_axes
 
     return [
         # first: attention reads its output as q and k
         ("rotary_embedding", functools.partial(fuse_rotary, weights=weights)),
         ("attention", fuse_attention),
+        # one token over a static cache: the attention's If and row writes -> one kernel
+        ("decode_attention", fuse_decode_attention),
         ("row_write", fuse_row_writes),  # after attention, which matches the Where's users
         ("erf_gelu", fuse_erfgelu),
         ("rms_normalization", fuse_rms_normalization),
@@ -71,6 +75,8 @@ def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
         ("skip_rms_normalization", fuse_skip_rms_normalization),
         ("gelu", fuse_gelu),
         ("bias_gelu", fuse_bias_gelu),
+        # after the fusions that match transposes and views (attention, rotary)
+        ("unit_axes", fuse_unit_axes),
         ("output_view", output_views),  # last: a fusion may leave an output's Reshape
     ]
 

@@ -1,0 +1,145 @@
+"""The host's decode-attention fusion (``backends/onnx/host/decode_attention.py``): a single
+token's attention over a static cache runs as one ``GroupQueryAttention``. Every answer is
+compared with eager on the same inputs (float32: rtol 1e-5, atol 1e-5), caches included; a
+call the fused kernel cannot answer exactly is declined and answered eagerly (or raises under
+``strict``), never answered wrong."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpass
+from fxpass.backends.onnx.host.decode_attention import kernel_available
+from fxpass.jit.runtime import RegionFallbackWarning
+
+H, HK, S = 4, 2, 12
+
+
+def _weights(d: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n * d, 16, generator=g) / 4 for n in (H, HK, HK)]
+
+
+def _step(d: int):
+    wq, wk, wv = _weights(d)
+
+    def step(k_cache, v_cache, x, p, mask):  # one token: write its key and value, attend
+        q = F.linear(x, wq).view(1, 1, H, d).transpose(1, 2)
+        k = F.linear(x, wk).view(1, 1, HK, d).transpose(1, 2)
+        v = F.linear(x, wv).view(1, 1, HK, d).transpose(1, 2)
+        k_cache.index_copy_(2, p, k)
+        v_cache.index_copy_(2, p, v)
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                              enable_gqa=True)
+
+    return step
+
+
+def _inputs(d: int, pos: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(1, HK, S, d, generator=g) for _ in range(2)]
+    for c in caches:
+        c[:, :, pos + 1:] = 0  # a generation's cache: nothing written past the position yet
+    return caches, torch.randn(1, 16, generator=g), torch.tensor([pos])
+
+
+def _compile(step, opts, strict=True):
+    return torch.compile(step, backend="fxpass_ort", dynamic=False,
+                         options={**opts, "strict": strict})
+
+
+def _check(compiled, step, d, pos, mask, fused=1):
+    (kc, vc), x, p = _inputs(d, pos)
+    want_k, want_v = kc.clone(), vc.clone()
+    want = step(want_k, want_v, x, p, mask)
+    before = len(fxpass.compile_reports())
+    got = compiled(kc, vc, x, p, mask)
+    reports = fxpass.compile_reports()[before:]
+    if reports:
+        (report,) = reports
+        assert sum(r.fusions.get("decode_attention", 0) for r in report.regions) == fused, (
+            str(report))
+    for g, w in ((got, want), (kc, want_k), (vc, want_v)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    return got, want
+
+
+def _causal(pos, window=None, additive=False):
+    slots = torch.arange(S)
+    keep = slots <= pos
+    if window is not None:
+        keep &= slots > pos - window
+    if not additive:
+        return keep.view(1, 1, 1, S)
+    bias = -0.1 * (pos - slots).abs().float()  # an ALiBi-like moderate bias where attended
+    return torch.where(keep, bias, float("-inf")).view(1, 1, 1, S)
+
+
+def test_the_kernel_is_here():
+    assert kernel_available()  # else nothing below would exercise the fusion
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "additive"])
+def test_fuses_and_matches_eager_at_every_position(mask, opts):
+    step = _step(8)
+    compiled = _compile(step, opts)
+    for pos in (0, 3, S - 1):
+        m = _causal(pos, window=3 if mask == "window" else None, additive=mask == "additive")
+        _check(compiled, step, 8, pos, m)
+
+
+def test_a_mask_reading_past_the_position_is_declined_never_answered_wrong(opts):
+    step = _step(8)
+    future = _causal(4).clone()
+    future[..., 7] = True  # attends a slot past the written one: the kernel never reads it
+    with pytest.raises(RuntimeError, match="decode_attention"):
+        _compile(step, opts)(*_inputs(8, 4)[0], *_inputs(8, 4)[1:], future)
+    compiled = _compile(step, opts, strict=False)
+    with pytest.warns(RegionFallbackWarning, match="decode_attention"):
+        _check(compiled, step, 8, 4, future)
+    _check(compiled, step, 8, 5, _causal(5))  # eager from then on: still eager's answer
+
+
+def test_the_written_slot_masked_is_declined(opts):
+    masked = _causal(4).clone()
+    masked[..., 4] = False
+    step = _step(8)
+    with pytest.raises(RuntimeError, match="decode_attention"):
+        _compile(step, opts)(*_inputs(8, 4)[0], *_inputs(8, 4)[1:], masked)
+
+
+def test_non_finite_values_where_it_reads_them_match_eager(opts):
+    step = _step(8)
+    compiled = _compile(step, opts)
+    (kc, vc), x, p = _inputs(8, 6)
+    kc[0, 1, 2, 3], vc[0, 0, 4, 1] = float("nan"), float("inf")
+    want_k, want_v = kc.clone(), vc.clone()
+    want = step(want_k, want_v, x, p, _causal(6))
+    got = compiled(kc, vc, x, p, _causal(6))
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_a_nan_stored_past_the_position_is_not_read(opts):
+    """The one documented difference: eager weights a slot past the position by zero, and
+    0 * NaN is NaN; the kernel never reads it. Ours is eager's answer over slots 0..pos."""
+    step = _step(8)
+    compiled = _compile(step, opts)
+    (kc, vc), x, p = _inputs(8, 6)
+    vc[0, 1, 9, 0] = float("nan")
+    got = compiled(kc.clone(), vc.clone(), x, p, _causal(6))
+    assert step(kc.clone(), vc.clone(), x, p, _causal(6)).isnan().any()  # eager: NaN
+    trimmed = step(kc[:, :, :7].clone(), vc[:, :, :7].clone(), x, p,
+                   _causal(6)[..., :7])
+    torch.testing.assert_close(got, trimmed, rtol=1e-5, atol=1e-5)
+
+
+def test_head_sizes_the_kernel_refuses_keep_the_attention_kernel(opts):
+    step = _step(4)  # the kernel takes head sizes in multiples of 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RegionFallbackWarning)
+        _check(_compile(step, opts), step, 4, 5, _causal(5), fused=0)
