@@ -257,6 +257,8 @@ class LoadedProgram:
         self._run = threads(self.gm, spec.get("cpu_threads"))
         self._prefix = (*self.weights, *self.state)
         self.memos: list[Any] = []
+        #: region inputs its executor writes in place (``aot.writes.grant_in_place``)
+        self.in_place = 0
 
     def reads(self) -> set[str]:
         """The state this program reads (not only writes)."""
@@ -270,9 +272,11 @@ class LoadedProgram:
         no program of the package reads, the cache writes fused, the position-only ops
         memoized."""
         from fxpass.aot.memo import memoize_inputs
-        from fxpass.aot.writes import drop_writes, fuse_index_writes
+        from fxpass.aot.runtime import region_executor
+        from fxpass.aot.writes import drop_writes, fuse_index_writes, grant_in_place
 
         drop_writes(self.gm, {self.state_phs[s] for s in unread if s in self.state_phs})
+        self.in_place = grant_in_place(self.gm, region_executor)
         fuse_index_writes(self.gm)
         self.memos = memoize_inputs(self.gm, len(self.weights), len(self.state),
                                     self.spec.get("memo", []))

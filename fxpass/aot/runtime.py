@@ -119,9 +119,10 @@ def inplace(ep: ExportedProgram, n_weights: int = 0, n_state: int = 0,
     """A callable over ``ep``'s flat inputs (``runtime_graph``, regions bound, the inputs
     ``memo`` indexes memoized as ``aot.memo.memoize_inputs`` does)."""
     from fxpass.aot.memo import memoize_inputs
-    from fxpass.aot.writes import fuse_index_writes
+    from fxpass.aot.writes import fuse_index_writes, grant_in_place
 
     gm = bind(runtime_graph(ep))
+    grant_in_place(gm, region_executor)
     fuse_index_writes(gm)
     memoize_inputs(gm, n_weights, n_state, memo or [])
 
@@ -142,7 +143,14 @@ def _direct(key: str) -> Callable[..., tuple[torch.Tensor, ...]]:
         return run(*inputs)
 
     region_call.__name__ = f"region_{key[:8]}"
+    region_call.region = fn  # type: ignore[attr-defined]  (aot.writes.grant_in_place)
     return region_call
+
+
+def region_executor(node: torch.fx.Node) -> Any:
+    """The executor behind a bound region call (``bind``), else None."""
+    call = getattr(node.target, "region", None)
+    return getattr(call, "executor", None)
 
 
 def threads(fn: Callable[..., Any], n: int | None) -> Callable[..., Any]:

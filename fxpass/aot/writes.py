@@ -10,7 +10,7 @@ the step's time outside the region on a 4-layer model.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -113,6 +113,36 @@ def fuse_index_writes(gm: GraphModule) -> int:
         g.erase_node(n)
     gm.recompile()
     return len(writes)
+
+
+def grant_in_place(gm: GraphModule, executor_of: Callable[[Node], Any]) -> int:
+    """Let each region call's executor write into the inputs it asks to (``in_place_inputs``,
+    a decode step's KV cache updated by its attention kernel) where that is safe: the input is
+    a placeholder passed once, and after the call the graph only writes into it (the cache
+    write-back, which writes the same row). Returns how many inputs were granted.
+
+    Why: the kernel then writes the new row into the cache itself instead of copying the
+    whole cache into a new output every step (``backends/onnx/host/decode_attention.py``).
+    Run before ``fuse_index_writes``, which hides the writes in one call."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    granted = 0
+    for n in gm.graph.nodes:
+        ex = executor_of(n) if n.op in ("call_function", "call_module") else None
+        wants = getattr(ex, "in_place_inputs", None)
+        if wants is None:
+            continue
+        ok = set()
+        for i in wants():
+            a = n.args[i] if i < len(n.args) else None
+            if not (isinstance(a, Node) and a.op == "placeholder") or (
+                    sum(x is a for x in n.args) != 1 or n.kwargs):
+                continue
+            if all(_writes(u) and u.args[0] is a and a not in u.args[1:]
+                   for u in a.users if order[u] > order[n]):
+                ok.add(i)
+        ex.grant(ok)
+        granted += len(ok)
+    return granted
 
 
 def state_reads(gm: GraphModule, state: list[str]) -> set[str]:

@@ -37,7 +37,7 @@ def streamline(compiled: Any, inputs: list[tuple[Any, bool]]) -> dict[str, int]:
     whether it is a frozen weight (a graph rebuilt from a stored plan carries neither). Returns
     what was done, for the report (absent when zero)."""
     from fxpass.aot.memo import memoize
-    from fxpass.aot.writes import fuse_index_writes
+    from fxpass.aot.writes import fuse_index_writes, grant_in_place
     from fxpass.jit.runtime import TorchThreads
 
     gm = compiled.graph if isinstance(compiled, TorchThreads) else compiled
@@ -49,11 +49,25 @@ def streamline(compiled: Any, inputs: list[tuple[Any, bool]]) -> dict[str, int]:
     constants = {p.name for p, (_, frozen) in zip(phs, inputs, strict=True) if frozen}
     keys = [p.name for p, (val, frozen) in zip(phs, inputs, strict=True)
             if not frozen and _small_int(val)]
-    done = {"fused_writes": fuse_index_writes(gm)}
+    done = {"in_place_inputs": grant_in_place(gm, _executor(gm)),
+            "fused_writes": fuse_index_writes(gm)}
     memos = memoize(gm, keys, constants) if keys else []
     done["memoized_ops"] = sum(
         1 for m in memos for n in m.fn.graph.nodes if n.op == "call_function")
     return {k: v for k, v in done.items() if v}
+
+
+def _executor(gm: GraphModule) -> Any:
+    """node -> the executor of the region it calls (a ``RegionCall`` submodule), or None."""
+    from fxpass.jit.runtime import RegionCall
+
+    def executor_of(n: Any) -> Any:
+        if n.op != "call_module":
+            return None
+        mod = gm.get_submodule(n.target)
+        return mod.executor if isinstance(mod, RegionCall) else None
+
+    return executor_of
 
 
 def _small_int(v: object) -> bool:

@@ -143,3 +143,55 @@ def test_head_sizes_the_kernel_refuses_keep_the_attention_kernel(opts):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RegionFallbackWarning)
         _check(_compile(step, opts), step, 4, 5, _causal(5), fused=0)
+
+
+class _Wants:
+    """A region executor that asks to update its input 0 in place (and records the grant)."""
+
+    def __init__(self):
+        self.granted = None
+
+    def in_place_inputs(self):
+        return {0}
+
+    def grant(self, inputs):
+        self.granted = set(inputs)
+
+
+def _graph(after: str):
+    """cache -> region(cache, x) -> then ``after``: a write into the cache, a read, or none."""
+    from fxpass.aot.writes import grant_in_place
+
+    g = torch.fx.Graph()
+    cache, x = g.placeholder("cache"), g.placeholder("x")
+    ex = _Wants()
+
+    def region(c, y):
+        return (y,)
+
+    call = g.call_function(region, (cache, x))
+    row = g.call_function(lambda t: t[0], (call,))
+    if after == "write":
+        g.call_function(torch.ops.aten.index_copy_.default, (cache, 2, x, row))
+    elif after == "read":
+        g.call_function(torch.ops.aten.add.Tensor, (cache, row))
+    elif after == "twice":
+        call.args = (cache, cache)
+    g.output(row)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    n = grant_in_place(gm, lambda node: ex if node is call else None)
+    return n, ex.granted
+
+
+@pytest.mark.parametrize("after,granted", [("write", {0}), ("none", {0}), ("read", set()),
+                                           ("twice", set())])
+def test_an_input_is_written_in_place_only_when_nothing_reads_it_after(after, granted):
+    assert _graph(after) == (len(granted), granted)
+
+
+def test_the_compiled_step_writes_its_caches_in_place(opts):
+    step = _step(8)
+    before = len(fxpass.compile_reports())
+    _check(_compile(step, opts), step, 8, 4, _causal(4))
+    (report,) = fxpass.compile_reports()[before:]
+    assert report.streamlined.get("in_place_inputs") == 2, report.streamlined  # k and v

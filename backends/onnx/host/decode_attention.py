@@ -49,7 +49,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fxpass.backends.onnx.host.onnx_match import add_initializer, producer_of, static_shape
-from fxpass.backends.onnx.host.ort import OK_OUTPUT
+from fxpass.backends.onnx.host.ort import IN_PLACE, OK_OUTPUT
 
 DOMAIN = "com.microsoft"
 _MODERATE = 1e30
@@ -183,6 +183,24 @@ def _outer_mask(m: ir.Value, then: ir.Graph) -> tuple[ir.Value | None, bool | No
     return (m, keep) if m.dtype == ir.DataType.BOOL else (None, None)
 
 
+def _in_place_ok(cache: ir.Value, hit: ir.Value) -> bool:
+    """Whether the kernel may write the new row into ``cache`` itself: a graph input read by
+    nothing but the attention kernels and row writes at the same ``hit`` (``Where(hit, row,
+    cache)``, which write that row too). The executor does so only where the graph around
+    the region allows it (``host.ort.OrtExecutor.grant``)."""
+    if not cache.is_graph_input() or cache.dtype != ir.DataType.FLOAT:
+        return False
+    for node in cache.consumers():
+        if node.domain == DOMAIN and node.op_type == "GroupQueryAttention" and (
+                list(node.inputs).index(cache) in (3, 4)):
+            continue
+        if node.op_type == "Where" and node.inputs[0] is hit and node.inputs[2] is cache and (
+                node.inputs[1] is not cache):
+            continue
+        return False
+    return True
+
+
 class _Builder:
     def __init__(self, graph: ir.Graph):
         self.graph = graph
@@ -285,6 +303,12 @@ class _Builder:
             flat(q, h), flat(m.wk.inputs[1], hk), flat(m.wv.inputs[1], hk), m.wk.inputs[2],
             m.wv.inputs[2], seqlens, total, None, None, None, bias], branch, domain=DOMAIN,
             outputs=3, num_heads=h, kv_num_heads=hk, scale=scale)
+        for cache, present in zip((m.wk.inputs[2], m.wv.inputs[2]), out.producer().outputs[1:],
+                                  strict=True):
+            if _in_place_ok(cache, m.wk.inputs[0]):  # the kernel may write the row there
+                present.name = IN_PLACE + cache.name
+                present.shape, present.type = cache.shape, cache.type
+                self.graph.outputs.append(present)
         result = self.node("Reshape", [out, self.const(f"o{b}_{h}_{d}", np.array(
             [b, h, 1, d], np.int64))], branch)
         old = branch.outputs[0]
@@ -296,5 +320,21 @@ class _Builder:
             sub.outputs.clear()
             for n in reversed(list(sub)):
                 sub.remove(n, safe=True)
+        cond = branch.inputs[0]
         self.graph.remove(branch, safe=True)
         result.name = name  # a region output keeps its name
+        for v in (cond, m.wk.outputs[0], m.wv.outputs[0]):  # the guard and the row writes,
+            _drop_dead(self.graph, v)                        # unless something else reads them
+
+
+def _drop_dead(graph: ir.Graph, v: ir.Value) -> None:
+    """Remove ``v``'s producer if nothing reads ``v`` any more, then its inputs' likewise."""
+    node = v.producer()
+    if node is None or node.graph is not graph or any(
+            o.consumers() or o.is_graph_output() for o in node.outputs):
+        return
+    inputs = list(node.inputs)
+    graph.remove(node, safe=True)
+    for i in inputs:
+        if i is not None:
+            _drop_dead(graph, i)

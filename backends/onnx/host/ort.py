@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from fxpass.jit.runtime import as_numpy as _np
@@ -45,6 +46,14 @@ OPT_LEVEL = "ORT_ENABLE_ALL"
 #: a fused model's extra output (``host/decode_attention.py``): False when its kernels cannot
 #: answer this call exactly; the executor then declines the call (``RegionDeclined``)
 OK_OUTPUT = "fxpass_ok"
+#: a model output named ``IN_PLACE + input`` is that input updated (a KV cache with the new
+#: row): once the graph around the region allows it (``grant``), the output is bound to the
+#: input's own memory and the kernel writes the row there instead of copying the cache
+IN_PLACE = "fxpass_inplace/"
+#: torch -> numpy dtypes an input or output can be bound with by pointer
+_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+              torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8,
+              torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
 class RegionDeclined(RuntimeError):
@@ -142,20 +151,78 @@ class OrtExecutor:
         # provider alone that never happens. Dropping them saves a copy of the weights.
         self.session._model_bytes = None
         self.input_names = input_names
-        self.output_names = [o.name for o in self.session.get_outputs()]
-        #: where the model's ``OK_OUTPUT`` is among its outputs (None: it has none)
+        names = [o.name for o in self.session.get_outputs()]
+        #: the outputs a call returns (the in-place ones are the inputs themselves)
+        self.output_names = [n for n in names if not n.startswith(IN_PLACE)]
+        #: where the model's ``OK_OUTPUT`` is among them (None: it has none)
         self._ok = self.output_names.index(OK_OUTPUT) if OK_OUTPUT in self.output_names else None
+        #: in-place output -> the input index it updates (``IN_PLACE``), and those granted
+        self._in_place = {n: input_names.index(n[len(IN_PLACE):]) for n in names
+                          if n.startswith(IN_PLACE) and n[len(IN_PLACE):] in input_names}
+        self._granted: dict[str, int] = {}
+        self._local = threading.local()  # a binding per thread (``_bound``)
+        self._generation = 0
+
+    def in_place_inputs(self) -> set[int]:
+        """The inputs this model can update in place, if the caller allows it (``grant``)."""
+        return set(self._in_place.values())
+
+    def grant(self, inputs: set[int]) -> None:
+        """Allow writing into these inputs (``aot.writes.grant_in_place`` proved that nothing
+        reads them after the call but the write of the same row)."""
+        self._granted = {n: i for n, i in self._in_place.items() if i in inputs}
+        self._generation += 1  # every thread's binding is made again
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
-        if self._static:
-            feeds.update(self._static)
-        outs = self.session.run(self.output_names, feeds)
+        if self._granted and all(tensors[i].is_contiguous() for i in self._granted.values()) and (
+                all(t.dtype in _NP_DTYPES for t in tensors)):
+            outs = self._bound(tensors)
+        else:
+            feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
+            if self._static:
+                feeds.update(self._static)
+            outs = [_tensor(o) for o in self.session.run(self.output_names, feeds)]
         if self._ok is not None and not outs.pop(self._ok):
             from fxpass.backends.onnx.host.decode_attention import DECLINED
 
             raise RegionDeclined(DECLINED)
-        return tuple(_tensor(o) for o in outs)
+        return tuple(outs)
+
+    def _bound(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """One run through this thread's IOBinding: every input bound by pointer (rebound only
+        when its address, shape or dtype changed), the granted outputs bound to their inputs'
+        memory. onnxruntime reuses a bound output's buffer on the next run, so the returned
+        outputs are copied out (a decode step's logits and rows: kilobytes)."""
+        b = getattr(self._local, "binding", None)
+        if b is None or self._local.generation != self._generation:
+            b = self._local.binding = self.session.io_binding()
+            self._local.last = {}
+            self._local.generation = self._generation
+            for name, value in self._static.items():  # numpy views, or BF16 OrtValues
+                if isinstance(value, np.ndarray):
+                    b.bind_cpu_input(name, value)
+                else:
+                    b.bind_ortvalue_input(name, value)
+            for name in self.output_names:
+                b.bind_output(name, "cpu")
+        last = self._local.last
+        keep = []  # contiguous copies of non-contiguous inputs, alive through the run
+        for k, (name, t) in enumerate(zip(self.input_names, tensors, strict=True)):
+            if not t.is_contiguous():
+                t = t.contiguous()
+                keep.append(t)
+            key = (t.data_ptr(), t.shape, t.dtype)
+            if last.get(name) == key:
+                continue
+            shape = list(t.shape)
+            b.bind_input(name, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
+            last[name] = None if keep and keep[-1] is t else key  # a copy: rebind next time
+            for out, i in self._granted.items():
+                if i == k:
+                    b.bind_output(out, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
+        self.session.run_with_iobinding(b)
+        values = b.get_outputs()[:len(self.output_names)]  # bound first, in model order
+        return [torch.from_numpy(v.numpy()).clone() for v in values]
 
 
 class TieredExecutor:
@@ -187,6 +254,7 @@ class TieredExecutor:
         self._lock = threading.Lock()
         self._build: Callable[[], Any] | None = build
         self._future: Future | None = None
+        self._grant: set[int] = set()
 
     @property
     def current(self) -> Any:
@@ -240,7 +308,19 @@ class TieredExecutor:
                 logging.getLogger("fxpass").warning(msg)
             return
         if ex is not None:
+            if self._grant and hasattr(ex, "grant"):
+                ex.grant(self._grant)
             self._ex = self._built = ex
+
+    def in_place_inputs(self) -> set[int]:
+        """The inputs the tiers can update in place (``OrtExecutor.in_place_inputs``)."""
+        return getattr(self._ex, "in_place_inputs", set)()
+
+    def grant(self, inputs: set[int]) -> None:
+        """``OrtExecutor.grant`` for the tier running now and the one to come."""
+        self._grant = set(inputs)
+        if hasattr(self._ex, "grant"):
+            self._ex.grant(self._grant)
 
 
 def _trimmed(build: Callable[[], Any]) -> Any:
