@@ -68,7 +68,7 @@ def _check(compiled, step, d, pos, mask, fused=1):
     return got, want
 
 
-def _causal(pos, window=None, additive=False):
+def _causal(pos, window=None, additive=False, masked=float("-inf")):
     slots = torch.arange(S)
     keep = slots <= pos
     if window is not None:
@@ -76,19 +76,21 @@ def _causal(pos, window=None, additive=False):
     if not additive:
         return keep.view(1, 1, 1, S)
     bias = -0.1 * (pos - slots).abs().float()  # an ALiBi-like moderate bias where attended
-    return torch.where(keep, bias, float("-inf")).view(1, 1, 1, S)
+    return torch.where(keep, bias, masked).view(1, 1, 1, S)
 
 
 def test_the_kernel_is_here():
     assert kernel_available()  # else nothing below would exercise the fusion
 
 
-@pytest.mark.parametrize("mask", ["causal", "window", "additive"])
+@pytest.mark.parametrize("mask", ["causal", "window", "additive", "finfo-min"])
 def test_fuses_and_matches_eager_at_every_position(mask, opts):
     step = _step(8)
     compiled = _compile(step, opts)
+    masked = torch.finfo(torch.float32).min if mask == "finfo-min" else float("-inf")
     for pos in (0, 3, S - 1):
-        m = _causal(pos, window=3 if mask == "window" else None, additive=mask == "additive")
+        m = _causal(pos, window=3 if mask == "window" else None,
+                    additive=mask in ("additive", "finfo-min"), masked=masked)
         _check(compiled, step, 8, pos, m)
 
 
@@ -104,12 +106,14 @@ def test_a_mask_reading_past_the_position_is_declined_never_answered_wrong(opts)
     _check(compiled, step, 8, 5, _causal(5))  # eager from then on: still eager's answer
 
 
-def test_the_written_slot_masked_is_declined(opts):
-    masked = _causal(4).clone()
-    masked[..., 4] = False
+@pytest.mark.parametrize("value", ["written-slot-masked", "nan", "huge"])
+def test_masks_it_cannot_answer_exactly_are_declined(value, opts):
+    mask = _causal(4, additive=True).clone()
+    mask[..., {"written-slot-masked": 4, "nan": 2, "huge": 1}[value]] = {
+        "written-slot-masked": float("-inf"), "nan": float("nan"), "huge": 1e31}[value]
     step = _step(8)
     with pytest.raises(RuntimeError, match="decode_attention"):
-        _compile(step, opts)(*_inputs(8, 4)[0], *_inputs(8, 4)[1:], masked)
+        _compile(step, opts)(*_inputs(8, 4)[0], *_inputs(8, 4)[1:], mask)
 
 
 def test_non_finite_values_where_it_reads_them_match_eager(opts):

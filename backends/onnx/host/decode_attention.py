@@ -26,8 +26,9 @@ Rewritten::
 Exactness. The kernel writes the row at ``pos`` and reads slots ``0..pos`` only; eager reads
 every slot and weights the masked ones by zero. The two agree when (checked on every call,
 in the graph, into one extra output ``fxpass_ok``): ``hit`` has exactly one slot; every slot
-past it is masked (-inf, or False); the slot itself is not; and every finite mask value is
-moderate (|v| < 1e30: the kernel and eager differ on HF's ``finfo.min`` padding otherwise).
+past it is masked (False, -inf, or below -1e30 as HF's ``finfo.min`` padding: a weight of
+exactly 0 in both); the slot itself is attended with a moderate value (|v| < 1e30), so no
+row is fully masked; and every other value is masked or moderate (no NaN, no +inf).
 A call that fails the check is *declined*: the executor raises, and the region answers it as
 it answers any executor failure (eagerly through ``torch.compile``; a package, which has no
 eager copy, raises with the reason). NaN and inf in the query or in the slots it reads give
@@ -57,7 +58,7 @@ _MODERATE = 1e30
 DECLINED = (
     "the fused decode attention (host fusion decode_attention) cannot answer this call "
     "exactly: the attention mask attends a cache slot past the written position, masks the "
-    "written position itself, or holds a finite value beyond 1e30; compile (or export) with "
+    "written position itself, or holds NaN or a value above 1e30; compile (or export) with "
     "options host_fusions=False to run without it")
 
 
@@ -264,7 +265,9 @@ class _Builder:
         # the checks: every slot past pos at -inf, pos itself not, the rest moderate
         slots = self.const(f"slots{s}", np.arange(s, dtype=np.int64))
         past = self.node("Greater", [slots, pos], first)                       # [S]
-        minf = self.node("Equal", [mask, self.const("minf", np.array(-np.inf, np.float32))],
+        # masked: -inf or below -1e30 (HF's finfo.min): exp underflows to exactly 0 in both,
+        # as long as the row attends one moderate slot (the written one, checked here)
+        minf = self.node("Less", [mask, self.const("masked", np.array(-_MODERATE, np.float32))],
                          first)
         moderate = self.node("Less", [self.node("Abs", [mask], first), self.const(
             "moderate", np.array(_MODERATE, np.float32))], first)
