@@ -11,6 +11,7 @@ the step's time outside the region on a 4-layer model.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from operator import getitem
 from typing import Any
 
 import torch
@@ -117,13 +118,16 @@ def fuse_index_writes(gm: GraphModule) -> int:
 
 def grant_in_place(gm: GraphModule, executor_of: Callable[[Node], Any]) -> int:
     """Let each region call's executor write into the inputs it asks to (``in_place_inputs``,
-    a decode step's KV cache updated by its attention kernel) where that is safe: the input is
-    a placeholder passed once, and after the call the graph only writes into it (the cache
-    write-back, which writes the same row). Returns how many inputs were granted.
+    a decode step's KV cache updated by its attention kernel) where the program would write
+    that input itself right after: the input is a placeholder passed to the call once; every
+    other user of it, before or after, is a write into it (``copy_``/``index_copy_``) that
+    follows the call; and at least one of them writes a value the call returned (the cache
+    write-back of the row the region computed). Returns how many inputs were granted.
 
     Why: the kernel then writes the new row into the cache itself instead of copying the
     whole cache into a new output every step (``backends/onnx/host/decode_attention.py``).
-    Run before ``fuse_index_writes``, which hides the writes in one call."""
+    A view or any read of the input anywhere, or no write-back, keeps it out. Run before
+    ``fuse_index_writes``, which hides the writes in one call."""
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     granted = 0
     for n in gm.graph.nodes:
@@ -131,14 +135,17 @@ def grant_in_place(gm: GraphModule, executor_of: Callable[[Node], Any]) -> int:
         wants = getattr(ex, "in_place_inputs", None)
         if wants is None:
             continue
+        returned = {u for u in n.users if u.op == "call_function" and u.target is getitem}
         ok = set()
         for i in wants():
             a = n.args[i] if i < len(n.args) else None
             if not (isinstance(a, Node) and a.op == "placeholder") or (
                     sum(x is a for x in n.args) != 1 or n.kwargs):
                 continue
-            if all(_writes(u) and u.args[0] is a and a not in u.args[1:]
-                   for u in a.users if order[u] > order[n]):
+            others = [u for u in a.users if u is not n]
+            writes = [u for u in others if _writes(u) and u.args[0] is a and (
+                a not in u.args[1:]) and order[u] > order[n]]
+            if len(writes) == len(others) and any(w.args[-1] in returned for w in writes):
                 ok.add(i)
         ex.grant(ok)
         granted += len(ok)

@@ -6,6 +6,7 @@ call the fused kernel cannot answer exactly is declined and answered eagerly (or
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import pytest
@@ -59,7 +60,7 @@ def _check(compiled, step, d, pos, mask, fused=1):
     before = len(fxpass.compile_reports())
     got = compiled(kc, vc, x, p, mask)
     reports = fxpass.compile_reports()[before:]
-    if reports:
+    if reports and fused is not None:
         (report,) = reports
         assert sum(r.fusions.get("decode_attention", 0) for r in report.regions) == fused, (
             str(report))
@@ -163,7 +164,9 @@ class _Wants:
 
 
 def _graph(after: str):
-    """cache -> region(cache, x) -> then ``after``: a write into the cache, a read, or none."""
+    """cache -> region(cache, x) -> row, then ``after``: the write-back of the row, a read,
+    nothing, a write of something else, a view taken before and read after, or the cache
+    passed twice."""
     from fxpass.aot.writes import grant_in_place
 
     g = torch.fx.Graph()
@@ -173,24 +176,60 @@ def _graph(after: str):
     def region(c, y):
         return (y,)
 
+    view = g.call_function(torch.ops.aten.slice.Tensor, (cache, 2, 0, 1)) if (
+        after == "view") else None
     call = g.call_function(region, (cache, x))
-    row = g.call_function(lambda t: t[0], (call,))
-    if after == "write":
+    row = g.call_function(operator.getitem, (call, 0))
+    if after in ("write", "view", "twice"):
         g.call_function(torch.ops.aten.index_copy_.default, (cache, 2, x, row))
     elif after == "read":
         g.call_function(torch.ops.aten.add.Tensor, (cache, row))
-    elif after == "twice":
+    elif after == "other":
+        g.call_function(torch.ops.aten.index_copy_.default, (cache, 2, x, x))
+    if after == "twice":
         call.args = (cache, cache)
-    g.output(row)
+    g.output((row, view) if view is not None else row)
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     n = grant_in_place(gm, lambda node: ex if node is call else None)
     return n, ex.granted
 
 
-@pytest.mark.parametrize("after,granted", [("write", {0}), ("none", {0}), ("read", set()),
-                                           ("twice", set())])
-def test_an_input_is_written_in_place_only_when_nothing_reads_it_after(after, granted):
+@pytest.mark.parametrize("after,granted", [
+    ("write", {0}), ("none", set()), ("read", set()), ("other", set()), ("view", set()),
+    ("twice", set())])
+def test_an_input_is_written_in_place_only_where_the_program_writes_it_back(after, granted):
     assert _graph(after) == (len(granted), granted)
+
+
+def test_a_position_outside_the_cache_writes_nothing_and_is_declined(opts):
+    """A hand-written cache write (``where``, no ``index_copy``) at a position past the cache:
+    eager writes nothing; the fused kernel must not write its row anywhere either."""
+    wq, wk, wv = _weights(8)
+
+    def step(k_cache, v_cache, x, p, mask):
+        q = F.linear(x, wq).view(1, 1, H, 8).transpose(1, 2)
+        k = F.linear(x, wk).view(1, 1, HK, 8).transpose(1, 2)
+        v = F.linear(x, wv).view(1, 1, HK, 8).transpose(1, 2)
+        hit = (torch.arange(S) == p).view(1, 1, S, 1)
+        k_all, v_all = torch.where(hit, k, k_cache), torch.where(hit, v, v_cache)
+        k_cache.copy_(k_all)
+        v_cache.copy_(v_all)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+
+    compiled = _compile(step, opts, strict=False)
+    before = len(fxpass.compile_reports())
+    _check(compiled, step, 8, 3, _causal(3))  # fused
+    (report,) = fxpass.compile_reports()[before:]
+    assert report.streamlined.get("in_place_inputs") == 2, report.streamlined  # written there
+    (kc, vc), x, _ = _inputs(8, 3)
+    want_k, want_v = kc.clone(), vc.clone()
+    p = torch.tensor(S)  # past the cache: no slot is written
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RegionFallbackWarning)
+        got = compiled(kc, vc, x, p, _causal(S - 1))
+    want = step(want_k, want_v, x, p, _causal(S - 1))
+    for g, w in ((got, want), (kc, want_k), (vc, want_v)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_the_compiled_step_writes_its_caches_in_place(opts):

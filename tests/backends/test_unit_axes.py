@@ -100,6 +100,42 @@ def test_a_transposed_graph_output_keeps_its_name():
     np.testing.assert_array_equal(_run(fused, {"x": x})[0], x.reshape(1, 1, 6))
 
 
+def test_views_around_a_matmul_by_a_weight_go_and_the_values_stay():
+    """[1, 1, K] -> [1, K] -> MatMul(W) -> Split -> [1, 1, n] each: the views go, the
+    product takes [1, 1, K] as it is, the split cuts its last axis; bit for bit the same."""
+    k, n = 8, 6
+    w = np.random.default_rng(2).standard_normal((k, n)).astype(np.float32)
+    nodes = [helper.make_node("Reshape", ["x", "s2"], ["flat"]),
+             helper.make_node("MatMul", ["flat", "w"], ["mm"]),
+             helper.make_node("Split", ["mm", "sizes"], ["a", "b"], axis=1),
+             helper.make_node("Reshape", ["a", "sa"], ["ya"]),
+             helper.make_node("Reshape", ["b", "sb"], ["yb"]),
+             helper.make_node("Concat", ["ya", "yb"], ["y"], axis=-1)]
+    inits = [_shape("s2", [1, k]), _shape("sa", [1, 1, 2]), _shape("sb", [1, 1, 4]),
+             helper.make_tensor("sizes", TensorProto.INT64, [2], [2, 4]),
+             helper.make_tensor("w", TensorProto.FLOAT, [k, n], w.reshape(-1).tolist())]
+    values = [_info("flat", (1, k)), _info("mm", (1, n)), _info("a", (1, 2)), _info("b", (1, 4)),
+              _info("ya", (1, 1, 2)), _info("yb", (1, 1, 4))]
+    proto = _model(nodes, [_info("x", (1, 1, k))], [_info("y", (1, 1, n))], values, inits)
+    fused, count, ops = _fused(proto)
+    assert ops == ["MatMul", "Split", "Concat"] and count == 3, ops  # the view in, both out
+    x = np.random.default_rng(3).standard_normal((1, 1, k)).astype(np.float32)
+    for g, want in zip(_run(fused, {"x": x}), _run(proto, {"x": x}), strict=True):
+        np.testing.assert_array_equal(g, want)
+
+
+def test_a_matmul_read_by_anything_but_views_keeps_its_view():
+    nodes = [helper.make_node("Reshape", ["x", "s2"], ["flat"]),
+             helper.make_node("MatMul", ["flat", "w"], ["mm"]),
+             helper.make_node("Relu", ["mm"], ["y"])]
+    inits = [_shape("s2", [1, 4]),
+             helper.make_tensor("w", TensorProto.FLOAT, [4, 3], [0.5] * 12)]
+    proto = _model(nodes, [_info("x", (1, 1, 4))], [_info("y", (1, 3))],
+                   [_info("flat", (1, 4)), _info("mm", (1, 3))], inits)
+    _, count, ops = _fused(proto)
+    assert count == 0 and ops == ["Reshape", "MatMul", "Relu"]
+
+
 def test_a_decode_step_fires_it_and_matches_eager(opts):
     """A single-token attention block through fxpass_ort: its unit-axis transposes go, and the
     answer is eager's (float32: rtol 1e-5, atol 1e-5; the matmuls may round differently)."""

@@ -34,8 +34,10 @@ it answers any executor failure (eagerly through ``torch.compile``; a package, w
 eager copy, raises with the reason). NaN and inf in the query or in the slots it reads give
 NaN or inf where eager's do (checked in the tests); a NaN or inf *stored in a slot past the
 position* (never written by generation: caches start zeroed, and a prefill's padding rows
-come from real tokens) makes eager's output NaN and not this one's. That is the one
-difference, and why this fusion needs no finiteness guard and no ``If``.
+come from real tokens) makes eager's output NaN and not this one's. And with keys so large
+that a score overflows float32 (|q| * |k| near 3e38), which scores overflow depends on the
+order of the sums, so NaN can land on other outputs than eager's. Those are the two
+differences, and why this fusion needs no finiteness guard over the cache and no ``If``.
 
 The board path never calls this: it is part of
 :func:`fxpass.backends.onnx.host.prepare.fuse_for_ort`.
@@ -57,8 +59,9 @@ _MODERATE = 1e30
 #: why a call was declined (``host.ort.RegionDeclined``)
 DECLINED = (
     "the fused decode attention (host fusion decode_attention) cannot answer this call "
-    "exactly: the attention mask attends a cache slot past the written position, masks the "
-    "written position itself, or holds NaN or a value above 1e30; compile (or export) with "
+    "exactly: the write position is outside the cache (no slot written), or the attention "
+    "mask attends a cache slot past the written position, masks the written position itself, "
+    "or holds NaN or a value above 1e30; compile (or export) with "
     "options host_fusions=False to run without it")
 
 
@@ -132,6 +135,8 @@ def _match(branch: ir.Node) -> _Match | None:
     if len(then.value.outputs) != 1 or then.value.outputs[0] is not attn.outputs[0]:
         return None
     q, k, v, *rest = attn.inputs
+    if any(r is not None for r in rest[1:]):  # the attention's own past key/value: not ours
+        return None
     qs = static_shape(q)
     if qs is None or len(qs) != 4 or qs[2] != 1 or q.dtype != ir.DataType.FLOAT:
         return None
@@ -207,7 +212,9 @@ class _Builder:
         self.graph = graph
         self.flags: list[ir.Value] = []
         self.consts: dict[str, ir.Value] = {}
-        self.positions: dict[int, tuple[ir.Value, ir.Value, ir.Value]] = {}
+        #: id(hit) -> (seqlens, total, pos, index of its one-slot flag in ``flags``)
+        self.positions: dict[int, tuple[ir.Value, ir.Value, ir.Value, int]] = {}
+        self.hit_of: dict[int, ir.Value] = {}  # id(pos) -> its hit
         self.biases: dict[tuple[int, int], ir.Value] = {}
         self.count = 0
 
@@ -246,8 +253,19 @@ class _Builder:
             seqlens = self.node("Expand", [self.node("Reshape", [pos32, self.const(
                 "one", np.array([1], np.int64))], first), self.const(
                 f"b{batch}", np.array([batch], np.int64))], first)
-            self.positions[id(hit)] = (seqlens, total, pos)
-        return self.positions[id(hit)]
+            self.positions[id(hit)] = (seqlens, total, pos, len(self.flags) - 1)
+            self.hit_of[id(pos)] = hit
+        return self.positions[id(hit)][:3]
+
+    def safe_row(self, row: ir.Value, cache: ir.Value, pos: ir.Value, first: ir.Node
+                 ) -> ir.Value:
+        """``row``, or where ``hit`` is not one slot (a position outside the cache: the call is
+        declined) the cache's own row at ``pos``: the kernel's in-place write then changes
+        nothing before the executor declines."""
+        one = self.flags[self.positions[id(self.hit_of[id(pos)])][3]]
+        at = self.node("Reshape", [pos, self.const("one", np.array([1], np.int64))], first)
+        own = self.node("Gather", [cache, at], first, axis=2)
+        return self.node("Where", [one, row, own], first)
 
     def bias(self, m: _Match, pos: ir.Value, total: ir.Value, first: ir.Node) -> ir.Value:
         """The additive mask over slots 0..pos, 4-D; its checks go into ``flags``."""
@@ -302,13 +320,17 @@ class _Builder:
 
         scale = m.attn.attributes.get("scale")
         scale = float(scale.value) if scale is not None else 1.0 / math.sqrt(d)
+        caches = (m.wk.inputs[2], m.wv.inputs[2])
+        in_place = [_in_place_ok(c, m.wk.inputs[0]) and not any(
+            o.name == IN_PLACE + c.name for o in self.graph.outputs) for c in caches]
+        rows = [self.safe_row(w.inputs[1], c, pos, branch) if ok else w.inputs[1]
+                for w, c, ok in zip((m.wk, m.wv), caches, in_place, strict=True)]
         out = self.node("GroupQueryAttention", [
-            flat(q, h), flat(m.wk.inputs[1], hk), flat(m.wv.inputs[1], hk), m.wk.inputs[2],
-            m.wv.inputs[2], seqlens, total, None, None, None, bias], branch, domain=DOMAIN,
-            outputs=3, num_heads=h, kv_num_heads=hk, scale=scale)
-        for cache, present in zip((m.wk.inputs[2], m.wv.inputs[2]), out.producer().outputs[1:],
-                                  strict=True):
-            if _in_place_ok(cache, m.wk.inputs[0]):  # the kernel may write the row there
+            flat(q, h), flat(rows[0], hk), flat(rows[1], hk), *caches, seqlens, total, None,
+            None, None, bias], branch, domain=DOMAIN, outputs=3, num_heads=h, kv_num_heads=hk,
+            scale=scale)
+        for cache, present, ok in zip(caches, out.producer().outputs[1:], in_place, strict=True):
+            if ok:  # the kernel may write the row into the cache itself (``OrtExecutor.grant``)
                 present.name = IN_PLACE + cache.name
                 present.shape, present.type = cache.shape, cache.type
                 self.graph.outputs.append(present)

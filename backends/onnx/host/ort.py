@@ -160,6 +160,7 @@ class OrtExecutor:
         self._in_place = {n: input_names.index(n[len(IN_PLACE):]) for n in names
                           if n.startswith(IN_PLACE) and n[len(IN_PLACE):] in input_names}
         self._granted: dict[str, int] = {}
+        self._allowed: set[int] | None = None  # what every caller granted (None: none asked)
         self._local = threading.local()  # a binding per thread (``_bound``)
         self._generation = 0
 
@@ -168,9 +169,12 @@ class OrtExecutor:
         return set(self._in_place.values())
 
     def grant(self, inputs: set[int]) -> None:
-        """Allow writing into these inputs (``aot.writes.grant_in_place`` proved that nothing
-        reads them after the call but the write of the same row)."""
-        self._granted = {n: i for n, i in self._in_place.items() if i in inputs}
+        """Allow writing into these inputs (``aot.writes.grant_in_place`` proved that the
+        program writes them itself right after the call). An executor called from several
+        places keeps what every one of them allowed."""
+        allowed = set(inputs) if self._allowed is None else self._allowed & set(inputs)
+        self._allowed = allowed
+        self._granted = {n: i for n, i in self._in_place.items() if i in allowed}
         self._generation += 1  # every thread's binding is made again
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

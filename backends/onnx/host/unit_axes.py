@@ -106,7 +106,7 @@ def _rank_free_matmuls(graph: ir.Graph) -> int:
         for sp in splits:
             axis = sp.attributes.get("axis")
             if axis is None or axis.value not in (1, -1) or any(
-                    o.is_graph_output() for o in sp.outputs):
+                    o.is_graph_output() or static_shape(o) is None for o in sp.outputs):
                 readers = None
                 break
             readers += [u for o in sp.outputs for u in o.consumers()]
