@@ -215,6 +215,7 @@ class _Builder:
         #: id(hit) -> (seqlens, total, pos, index of its one-slot flag in ``flags``)
         self.positions: dict[int, tuple[ir.Value, ir.Value, ir.Value, int]] = {}
         self.hit_of: dict[int, ir.Value] = {}  # id(pos) -> its hit
+        self.slot: dict[int, ir.Value] = {}  # id(pos) -> pos as a 1-element index
         self.biases: dict[tuple[int, int], ir.Value] = {}
         self.count = 0
 
@@ -263,8 +264,10 @@ class _Builder:
         declined) the cache's own row at ``pos``: the kernel's in-place write then changes
         nothing before the executor declines."""
         one = self.flags[self.positions[id(self.hit_of[id(pos)])][3]]
-        at = self.node("Reshape", [pos, self.const("one", np.array([1], np.int64))], first)
-        own = self.node("Gather", [cache, at], first, axis=2)
+        if id(pos) not in self.slot:
+            self.slot[id(pos)] = self.node("Reshape", [pos, self.const(
+                "one", np.array([1], np.int64))], first)
+        own = self.node("Gather", [cache, self.slot[id(pos)]], first, axis=2)
         return self.node("Where", [one, row, own], first)
 
     def bias(self, m: _Match, pos: ir.Value, total: ir.Value, first: ir.Node) -> ir.Value:
