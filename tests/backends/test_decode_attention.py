@@ -238,3 +238,26 @@ def test_the_compiled_step_writes_its_caches_in_place(opts):
     _check(_compile(step, opts), step, 8, 4, _causal(4))
     (report,) = fxpass.compile_reports()[before:]
     assert report.streamlined.get("in_place_inputs") == 2, report.streamlined  # k and v
+
+
+def test_a_tiered_executor_hands_every_grant_to_its_second_tier():
+    """Two callers granted {0, 1} and {0}: the tier built later gets both, so it keeps {0}."""
+    from fxpass.backends.onnx.host.ort import TieredExecutor
+
+    class Tier(_Wants):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def grant(self, inputs):
+            self.seen.append(set(inputs))
+
+        def __call__(self, *tensors):
+            return tensors
+
+    first, second = Tier(), Tier()
+    tiered = TieredExecutor(first, lambda: second)
+    tiered.grant({0, 1})
+    tiered.grant({0})
+    assert tiered.wait() is second
+    assert first.seen == second.seen == [{0, 1}, {0}]

@@ -5,9 +5,8 @@ write into a copy of each cache (``Where(hit, row, cache)``, then ``ScatterND``)
 guard over the query and the whole cache, an ``If`` and the ``Attention`` kernel over every
 slot of the cache, read through ``Transpose``/``Reshape`` nodes. onnxruntime's contrib
 ``GroupQueryAttention`` (what ONNX Runtime GenAI's decoders run) takes the cache as it is
-plus the new row, and reads only the slots up to the current position. On the Qwen3 4 x 512
-int4 decode region that was 1600 -> 1396 us in one interleaved run (the per-layer ``If``
-alone cost ~60 us: a subgraph run per layer).
+plus the new row, and reads only the slots up to the current position
+(``python -m benchmarks.weight_only`` measures the decode step against GenAI's).
 
 Matched (shapes static, from the lowering's value_info)::
 
@@ -50,6 +49,7 @@ import math
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fxpass.backends.onnx.host.onnx_match import add_initializer, producer_of, static_shape
 from fxpass.backends.onnx.host.ort import IN_PLACE, OK_OUTPUT
@@ -82,6 +82,8 @@ def fuse_decode_attention(model: ir.Model) -> int:
     ok.name = OK_OUTPUT
     graph.outputs.append(ok)
     model.opset_imports.setdefault(DOMAIN, 1)
+    # the old guards and row writes, now unread: gone before the row-write fusion sees them
+    RemoveUnusedNodesPass()(model)
     return len(matches)
 
 
@@ -348,21 +350,6 @@ class _Builder:
             sub.outputs.clear()
             for n in reversed(list(sub)):
                 sub.remove(n, safe=True)
-        cond = branch.inputs[0]
         self.graph.remove(branch, safe=True)
         result.name = name  # a region output keeps its name
-        for v in (cond, m.wk.outputs[0], m.wv.outputs[0]):  # the guard and the row writes,
-            _drop_dead(self.graph, v)                        # unless something else reads them
 
-
-def _drop_dead(graph: ir.Graph, v: ir.Value) -> None:
-    """Remove ``v``'s producer if nothing reads ``v`` any more, then its inputs' likewise."""
-    node = v.producer()
-    if node is None or node.graph is not graph or any(
-            o.consumers() or o.is_graph_output() for o in node.outputs):
-        return
-    inputs = list(node.inputs)
-    graph.remove(node, safe=True)
-    for i in inputs:
-        if i is not None:
-            _drop_dead(graph, i)

@@ -178,10 +178,8 @@ class OrtExecutor:
         self._generation += 1  # every thread's binding is made again
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self._granted and all(tensors[i].is_contiguous() for i in self._granted.values()) and (
-                all(t.dtype in _NP_DTYPES for t in tensors)):
-            outs = self._bound(tensors)
-        else:
+        outs = self._bound(tensors) if self._granted else None
+        if outs is None:
             feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
             if self._static:
                 feeds.update(self._static)
@@ -192,11 +190,14 @@ class OrtExecutor:
             raise RegionDeclined(DECLINED)
         return tuple(outs)
 
-    def _bound(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def _bound(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
         """One run through this thread's IOBinding: every input bound by pointer (rebound only
         when its address, shape or dtype changed), the granted outputs bound to their inputs'
         memory. onnxruntime reuses a bound output's buffer on the next run, so the returned
-        outputs are copied out (a decode step's logits and rows: kilobytes)."""
+        outputs are copied out (a decode step's logits and rows: kilobytes). None, without
+        running, for an input of a dtype numpy cannot bind (BF16): ``session.run`` takes it.
+        A strided input is bound as a contiguous copy: the kernel's in-place write then lands
+        in the copy, and the program's own write-back still updates the input."""
         b = getattr(self._local, "binding", None)
         if b is None or self._local.generation != self._generation:
             b = self._local.binding = self.session.io_binding()
@@ -218,6 +219,8 @@ class OrtExecutor:
             key = (t.data_ptr(), t.shape, t.dtype)
             if last.get(name) == key:
                 continue
+            if t.dtype not in _NP_DTYPES:
+                return None
             shape = list(t.shape)
             b.bind_input(name, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
             last[name] = None if keep and keep[-1] is t else key  # a copy: rebind next time
@@ -258,7 +261,7 @@ class TieredExecutor:
         self._lock = threading.Lock()
         self._build: Callable[[], Any] | None = build
         self._future: Future | None = None
-        self._grant: set[int] = set()
+        self._grants: list[set[int]] = []  # every grant so far, for the second tier
 
     @property
     def current(self) -> Any:
@@ -312,8 +315,8 @@ class TieredExecutor:
                 logging.getLogger("fxpass").warning(msg)
             return
         if ex is not None:
-            if self._grant and hasattr(ex, "grant"):
-                ex.grant(self._grant)
+            for inputs in self._grants if hasattr(ex, "grant") else ():
+                ex.grant(inputs)
             self._ex = self._built = ex
 
     def in_place_inputs(self) -> set[int]:
@@ -321,10 +324,10 @@ class TieredExecutor:
         return getattr(self._ex, "in_place_inputs", set)()
 
     def grant(self, inputs: set[int]) -> None:
-        """``OrtExecutor.grant`` for the tier running now and the one to come."""
-        self._grant = set(inputs)
+        """``OrtExecutor.grant`` for the tier running now, and replayed on the one to come."""
+        self._grants.append(set(inputs))
         if hasattr(self._ex, "grant"):
-            self._ex.grant(self._grant)
+            self._ex.grant(set(inputs))
 
 
 def _trimmed(build: Callable[[], Any]) -> Any:

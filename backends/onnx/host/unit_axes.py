@@ -20,8 +20,7 @@ so the lowering's 2-D views around each weight-only matmul (``[1, 1, K] -> [1, K
 explicit shape or a ``Split`` on its last axis read only by such reshapes.
 
 Shapes come from the lowering's static value_info; a value without one is left alone. A
-graph output keeps its name (and its producer). On the Qwen3 4 x 512 int4 decode region:
-16 transposes and 24 reshapes fewer, 1140 -> 1115 us per call (one interleaved run).
+graph output keeps its name (and its producer).
 The board path never calls this: it is part of
 :func:`fxpass.backends.onnx.host.prepare.fuse_for_ort`.
 """
