@@ -20,3 +20,9 @@ def tracer():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on a 2-core machine: each keeps torch's own ops on one thread, so neither
+    # spins OpenMP workers on the core the other is using (tests that need more set it)
+    torch.set_num_threads(1)
