@@ -1,4 +1,5 @@
 import os
+import threading
 
 import pytest
 import torch
@@ -26,3 +27,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers on a 2-core machine: each keeps torch's own ops on one thread, so neither
     # spins OpenMP workers on the core the other is using (tests that need more set it)
     torch.set_num_threads(1)
+    # execnet's I/O thread (started below `threading`) never calls a compiled function: it
+    # must not keep generate()'s decode steps on every guard (fxpass.hf.steps)
+    import sys
+
+    from fxpass.hf.steps import ignore_thread
+
+    for ident in sys._current_frames():
+        if ident != threading.get_ident():
+            ignore_thread(ident)

@@ -39,6 +39,8 @@ from torch.fx import GraphModule
 
 from fxpass.graph import FROZEN
 from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
+from fxpass.hf.steps import MODES as STEP_GUARDS
+from fxpass.hf.steps import Owner, StepGuards
 
 aten = torch.ops.aten
 
@@ -100,6 +102,7 @@ def warn_if_growing(gm: GraphModule) -> str | None:
 def compile_for_generate(
     model: Any, *, max_cache_len: int, options: dict[str, Any] | None = None,
     loop_threads: int | None = 1, prefill_chunk: int | None = None, device: Any = None,
+    step_guards: str = "auto",
 ) -> Any:
     """Configure ``model`` for static-cache generation and compile its forward with
     ``backend=f"fxpass_{device}"`` (``device``: an installed device's name).
@@ -109,8 +112,10 @@ def compile_for_generate(
     thread count for HF's loop between two steps of ``generate()`` (None: the caller's); see
     :func:`_loop_on_threads`. ``prefill_chunk``: the one prompt length that gets a compiled
     prefill graph; longer prompts run in chunks of it and what is left over runs eagerly
-    (``prefill.PrefillChunks``). None: the first ``generate()``'s prompt length. Returns
-    ``model``.
+    (``prefill.PrefillChunks``). None: the first ``generate()``'s prompt length.
+    ``step_guards``: "auto" runs the later steps of one ``generate()`` call under the guards
+    that tell compiled graphs apart, where that is sound (``fxpass.hf.steps``); "all" checks
+    every guard on every step. Returns ``model``.
     """
     if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or (
             max_cache_len <= 0):
@@ -124,6 +129,8 @@ def compile_for_generate(
             f"prefill_chunk must be None or an int from 1 to max_cache_len ({max_cache_len}), "
             f"got {prefill_chunk!r}"
         )
+    if step_guards not in STEP_GUARDS:
+        raise ValueError(f"step_guards must be one of {STEP_GUARDS}, got {step_guards!r}")
     cfg = getattr(model, "generation_config", None)
     if cfg is None:
         raise TypeError(
@@ -146,7 +153,7 @@ def compile_for_generate(
     # second call with the same dict compiled without the filter)
     compiled = torch.compile(forward, backend=f"fxpass_{opts.device}", dynamic=False,
                              options={k: v for k, v in (options or {}).items() if k != "device"})
-    state = _GenerateState(loop_threads)
+    state = _GenerateState(loop_threads, step_guards, Owner(forward))
     prefill = PrefillChunks(prefill_chunk)
     model.forward = _step_counters_symbolic(compiled, forward, state)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
@@ -193,10 +200,12 @@ class _GenerateState(threading.local):
     (``benchmarks.probes.loop_threads``). ``caller`` is the caller's count while a ``generate()``
     call is running, else None: forward calls outside ``generate()`` change nothing."""
 
-    def __init__(self, threads: int | None):
+    def __init__(self, threads: int | None, step_guards: str = "auto",
+                 owner: Owner | None = None):
         # a thread-local (each Python thread runs __init__ anew): a forward or generate() on
         # another thread is not inside this one's generate() (found in review: its count leaked)
         self.threads = threads
+        self.steps = StepGuards(step_guards, owner or Owner(None))
         self.caller: int | None = None
         #: the cache object last seen by the forward on this thread, and whether it counts
         #: tokens in a Python int (``_step_counters_symbolic``)
@@ -224,6 +233,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
         model = getattr(generate, "__self__", None)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
         loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
+        loop.steps.start()
         if loop.threads is not None:
             loop.caller = torch.get_num_threads()
         try:
@@ -293,7 +303,8 @@ def _step_counters_symbolic(
         if caller is not None:  # inside generate(): the step gets the caller's threads
             torch.set_num_threads(caller)
         try:
-            out = fn(*args, **kwargs)
+            eligible = fn is compiled and not counters and state.depth == 1
+            out = state.steps.call(fn, args, kwargs, eligible)
             state.forwards += 1
             return out
         finally:

@@ -1,0 +1,292 @@
+"""Decode steps that check only the guards telling compiled graphs apart, inside one
+``generate()`` call.
+
+Why: before every decode step Dynamo checks the frame's guards (614 guard managers on Qwen3
+4 x 512: module attributes, config flags, the cache object, every parameter). Right after a
+region has streamed the weights through the caches that check costs about 0.65 ms per token
+(``benchmarks.probes.guards``), more than a package step spends outside its region. Yet inside
+one ``generate()`` call nothing those guards watch changes from one decode step to the next:
+HF's loop passes the same cache object, the same flags and tensors of the same shapes. So the
+first decode steps run every guard; once a step has run the same graph as the step before it
+under every guard, with nothing compiled, the following steps of that call run under torch's
+``skip_guard_eval_unsafe`` stance: Dynamo then checks only the guards that differ between
+the frame's compiled graphs (every tensor's dtype, shape and strides, and whatever made it
+recompile before), so prefill and decode graphs are still told apart. fxpass's weight guard
+runs on every call either way.
+
+When it applies, all of these hold, else every guard runs:
+
+- the call is inside ``compile_for_generate``'s ``generate()`` (not nested in another);
+- the model's cache keeps no per-token Python int (sliding-window layers change regime
+  mid-call, which only a full check sees);
+- the model's forward compiled without graph breaks (one frame: a guard that misses can only
+  miss at its entry, before anything ran), and every graph of the forward's code object under
+  an equal backend is this model's own (:class:`Owner`; HF's forward wrapper is one code
+  object shared by every model class, and under the stance another model's graph of the same
+  shapes would pass);
+- the step's arguments have the signature of the step before it (:func:`signature`), and that
+  step ran every guard and compiled nothing;
+- torch's stance is the default one, no compiled frame is running, and no Python thread other
+  than the caller, fxpass's own workers and threads passed to :func:`ignore_thread` is alive:
+  torch's stance is process-wide, so another thread's compiled calls would check fewer guards
+  too. In Jupyter or a threaded server this does not apply.
+
+A trusted step whose guards miss anyway (torch refuses to compile under the stance) runs again
+under every guard, and the rest of that call checks every guard.
+
+What is not re-checked inside one call: a model attribute that a logits processor, a stopping
+criterion or a streamer changes during the call. ``compile_for_generate(...,
+step_guards="all")`` checks every guard on every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: ``step_guards`` values of ``compile_for_generate``
+MODES = ("auto", "all")
+#: forward calls run under the differentiating guards only ("trusted") or every guard ("full"),
+#: and trusted ones whose guards missed ("missed", run again in full), in this process; tests
+#: assert on it
+STEPS: Counter[str] = Counter()
+#: threads whose names start so are fxpass's own (tiering, preloading, region compiles): they
+#: never run a torch.compile'd frame
+OWN_THREADS = "fxpass-"
+#: library threads known never to run one: tqdm's monitor (started by any progress bar, HF's
+#: checkpoint writers among them) only wakes to refresh bars
+KNOWN_THREADS = frozenset({"tqdm_monitor"})
+
+
+def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """What must be equal between two forward calls for the second to run the first's graph:
+    each tensor's dtype, shape, strides and device, each plain value itself, dicts, lists and
+    tuples by their items (HF passes a fresh dict of masks per step), each other object by
+    identity (the cache: the same object every step of one call)."""
+    return tuple(_key(v) for v in args) + tuple((k, _key(v)) for k, v in sorted(kwargs.items()))
+
+
+def _key(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.shape, v.stride(), v.device, v.requires_grad)
+    if v is None or isinstance(v, bool | int | float | str):
+        return (type(v), v)
+    if type(v) is dict:
+        return (dict, tuple((k, _key(x)) for k, x in v.items()))
+    if type(v) in (list, tuple):
+        return (type(v), tuple(_key(x) for x in v))
+    return (type(v), id(v))
+
+
+#: thread idents the caller vouches for (:func:`ignore_thread`)
+_IGNORED: set[int] = set()
+
+
+def ignore_thread(thread: threading.Thread | int) -> None:
+    """Vouch that ``thread`` (or a thread ident) never calls a ``torch.compile``'d function,
+    so its being alive does not keep decode steps on every guard (a server's I/O thread, a
+    test runner's)."""
+    _IGNORED.add(thread if isinstance(thread, int) else thread.ident)
+
+
+def alone() -> bool:
+    """Whether every Python thread but this one is an fxpass worker, tqdm's monitor or
+    ignored. Threads
+    started below ``threading`` (``_thread``, native code) count too: they are seen through
+    ``sys._current_frames``."""
+    frames = sys._current_frames()
+    if len(frames) == 1:
+        return True
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return all(i == me or i in _IGNORED or names.get(i, "").startswith(OWN_THREADS)
+               or names.get(i) in KNOWN_THREADS for i in frames)
+
+
+def compiles() -> tuple[int, int, int] | None:
+    """Dynamo's counts of frames compiled, graphs compiled and graph breaks in this process
+    (None: not readable, so trust nothing)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return (int(counters["frames"]["total"]), int(counters["stats"]["unique_graphs"]),
+                sum(counters["graph_break"].values()))
+    except Exception:  # noqa: BLE001 - private counters; unknown means "do not skip"
+        return None
+
+
+def entries(code: Any) -> list[tuple[Any, Any]] | None:
+    """(compiled code, backend) of each graph Dynamo holds for ``code`` (None: unreadable)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return [(e.code, e.backend) for e in _debug_get_cache_entry_list(code)]
+    except Exception:  # noqa: BLE001 - a private API; unknown means "do not skip"
+        return None
+
+
+def default_stance() -> bool:
+    """Whether torch's compiler stance is the default one (no forced backend, no skipping
+    already) and no compiled frame is running (torch refuses a stance change inside one):
+    only then is switching it for one call and back a no-op for anything else."""
+    ef = _eval_frame()
+    if ef is None:
+        return False
+    st = ef._stance
+    return (st.stance == "default" and st.backend is None and not st.skip_guard_eval_unsafe
+            and _callback() in (None, False))
+
+
+@functools.cache
+def _eval_frame() -> Any:
+    """torch's eval_frame module when it has what this needs (private names), else None."""
+    try:
+        import torch._dynamo.eval_frame as ef
+
+        ef._stance, ef._set_stance, ef.DynamoStance  # noqa: B018 - present in this torch?
+        return ef
+    except (ImportError, AttributeError):
+        return None
+
+
+def _callback() -> Any:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback()
+
+
+@functools.cache
+def _trusted_stance() -> Any:
+    return _eval_frame().DynamoStance("default", True, None)
+
+
+def differentiating_guards(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` under torch's ``skip_guard_eval_unsafe`` stance (what
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` sets, without building a
+    context manager per token)."""
+    ef = _eval_frame()
+    prev = ef._set_stance(_trusted_stance())
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ef._set_stance(prev)
+
+
+class Owner:
+    """One compiled forward, shared by every thread: its code object, the graphs of that code
+    object it compiled (their compiled code objects, held so their ids stay theirs) and their
+    backend, and whether that record can no longer be vouched for (a graph break, a compile
+    seen while another thread ran, an unreadable list).
+
+    Dynamo looks a frame up only among the graphs of an equal backend (the same device and
+    options), most recently used first; under the stance the first whose differentiating
+    guards pass runs. With every such graph this forward's own, that is the graph the step
+    before chose under every guard."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        self.kept: dict[int, Any] = {}
+        self.backend: Any = None
+        self.unsure = False
+        self._checked: tuple[tuple[int, int, int] | None, bool] = (None, False)
+
+    def sound(self, counts: tuple[int, int, int]) -> bool:
+        """Whether every graph of an equal backend on the code object is this forward's.
+        ``counts``: :func:`compiles` now; the answer is kept until they change (graphs are
+        added only by compiles, and ``torch._dynamo.reset()`` clears the counts too)."""
+        if self.unsure or self.code is None or self.backend is None:
+            return False
+        if self._checked[0] != counts:
+            found = entries(self.code)
+            self._checked = (counts, found is not None and all(
+                id(code) in self.kept for code, backend in found if backend == self.backend))
+        return self._checked[1]
+
+    def record(self, had: list[tuple[Any, Any]] | None, now: list[tuple[Any, Any]] | None,
+               broke: bool) -> None:
+        """What one call under every guard compiled (``had``/``now``: :func:`entries` around
+        it; ``broke``: Dynamo counted a graph break meanwhile)."""
+        if had is None or now is None or broke:
+            self.unsure = True
+            return
+        old = {id(code) for code, _ in had}
+        new = [(code, backend) for code, backend in now if id(code) not in old]
+        if not new:
+            return
+        if not alone() or any(b != new[0][1] for _, b in new) or (
+                self.backend is not None and new[0][1] != self.backend):
+            self.unsure = True  # graphs another thread (or another backend) may have added
+            return
+        self.backend = new[0][1]
+        self.kept.update((id(code), code) for code, _ in new)
+
+
+class StepGuards:
+    """Per thread and ``generate()`` call: the signature of the last step that ran every
+    guard and compiled nothing (None: the next step runs every guard)."""
+
+    def __init__(self, mode: str, owner: Owner):
+        if mode not in MODES:
+            raise ValueError(f"step_guards must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.owner = owner
+        self.last: tuple | None = None
+        self.off = False  # a trusted step missed: every guard for the rest of the call
+
+    def start(self) -> None:
+        """A new ``generate()`` call: its first steps run every guard."""
+        self.last, self.off = None, False
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+             eligible: bool) -> Any:
+        """Run ``fn(*args, **kwargs)``, under the differentiating guards when everything in
+        the module docstring holds; ``eligible``: the caller's part (inside one generate(),
+        the compiled forward, no per-token counters)."""
+        if self.mode != "auto":
+            STEPS["full"] += 1
+            return fn(*args, **kwargs)
+        before = compiles()
+        if not eligible or self.off:  # every guard; still counts the graphs it compiles
+            return self._full(fn, args, kwargs, None, before)
+        sig = signature(args, kwargs)
+        if (sig == self.last and before is not None and self.owner.sound(before)
+                and default_stance() and alone()):
+            try:
+                out = differentiating_guards(fn, args, kwargs)
+            except RuntimeError as e:
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+                # missed at the frame's entry (no graph breaks), before anything ran
+                STEPS["missed"] += 1
+                self.last, self.off = None, True
+                return self._full(fn, args, kwargs, sig, compiles())
+            if compiles() == before:
+                STEPS["trusted"] += 1
+                return out
+            self.last = None  # (not expected: torch compiles nothing under the stance)
+            return out
+        return self._full(fn, args, kwargs, sig, before)
+
+    def _full(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+              sig: tuple | None, before: tuple[int, int, int] | None) -> Any:
+        """A step under every guard; counts the graphs it compiled as the owner's, and
+        remembers its signature when it compiled nothing."""
+        code = self.owner.code
+        had = entries(code) if code is not None else None
+        out = fn(*args, **kwargs)
+        after = compiles()
+        STEPS["full"] += 1
+        if code is not None:
+            self.owner.record(had, entries(code), before is None or after is None
+                              or after[2] != before[2])
+        if before is None or after is None:
+            self.last = None
+            return out
+        self.last = sig if after == before and not self.off else None
+        return out

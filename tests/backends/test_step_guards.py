@@ -1,0 +1,228 @@
+"""Later decode steps of one generate() call check only the differentiating guards
+(``fxpass.hf.steps``): eager's tokens, and every guard wherever that is not sound.
+
+Greedy fp32 tokens must equal eager's exactly. ``steps.STEPS`` counts the steps run each way.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fxpass.hf import generation, steps
+from fxpass.tools import zoo
+
+N = 8  # new tokens: a prefill and N - 1 decode steps
+
+
+def _model(name: str = "qwen3", **kw):
+    model, inputs = zoo.get(name, layers=2, tokens=6, **kw)
+    return model, inputs["input_ids"]
+
+
+def _generate(model, ids, n=N, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def _run(model, ids, **kw):
+    before = steps.STEPS.copy()
+    out = _generate(model, ids, **kw)
+    return out, steps.STEPS["trusted"] - before["trusted"], steps.STEPS["full"] - before["full"]
+
+
+def test_later_steps_trust_and_keep_eager_tokens(opts):
+    model, ids = _model()
+    expected = _generate(model, ids, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    got, trusted, full = _run(model, ids)
+    assert torch.equal(got, expected)
+    # prefill, the first decode step (compiles), the second (every guard, same graph): the
+    # N - 3 steps after them check only the differentiating guards
+    assert (trusted, full) == (N - 3, 3)
+    # a new call starts over with every guard: nothing compiles, so one decode step suffices
+    again, trusted, full = _run(model, ids)
+    assert torch.equal(again, expected)
+    assert (trusted, full) == (N - 2, 2)
+
+
+@pytest.mark.slow  # (the second tier: each compiles two models or twice)
+def test_a_batch_of_another_size_is_told_apart_and_matches(opts):
+    model, ids = _model()
+    batch = torch.cat([ids, ids.flip(-1)])
+    expected = _generate(model, batch, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)
+    got, trusted, _ = _run(model, batch)  # batch 2: its prefill and decode graphs compile
+    assert torch.equal(got, expected) and trusted == N - 3
+
+
+@pytest.mark.slow  # (the second tier: each compiles two models or twice)
+def test_a_change_between_calls_is_seen_by_the_full_check(opts):
+    """What the guards protect between two generate() calls still recompiles: the first
+    steps of every call run every guard."""
+    model, ids = _model()
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= 4.0
+    uncompiled = getattr(model.forward, generation.UNCOMPILED)
+    compiled_forward, model.forward = model.forward, uncompiled
+    expected = _generate(model, ids, cache_implementation="static")
+    model.forward = compiled_forward
+    got, trusted, _ = _run(model, ids)
+    assert torch.equal(got, expected)
+    assert trusted == N - 3  # the decode graph was compiled again, then trusted
+
+
+def test_another_python_thread_keeps_every_guard(opts):
+    """torch's stance is process-wide: with another (non-fxpass) Python thread alive, no step
+    runs under it."""
+    model, ids = _model()
+    expected = _generate(model, ids, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)  # compiled alone: graphs compiled beside another thread are unsure
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        got, trusted, full = _run(model, ids)
+    finally:
+        stop.set()
+        other.join()
+    assert torch.equal(got, expected)
+    assert (trusted, full) == (0, N)
+    # and with it gone, the next call trusts again
+    _, trusted, _ = _run(model, ids)
+    assert trusted == N - 2
+
+
+def test_graphs_compiled_beside_another_thread_are_never_trusted(opts):
+    """Graphs that appeared while another thread was alive may be that thread's: the
+    forward's record of its own graphs is unsure from then on."""
+    model, ids = _model()
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        _run(model, ids)
+    finally:
+        stop.set()
+        other.join()
+    _, trusted, _ = _run(model, ids)
+    assert trusted == 0
+
+
+def test_step_guards_all_checks_every_step(opts):
+    model, ids = _model()
+    expected = _generate(model, ids, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort",
+                                    step_guards="all")
+    got, trusted, _ = _run(model, ids)
+    assert torch.equal(got, expected) and trusted == 0
+
+
+def test_a_non_default_stance_is_left_alone(opts):
+    model, ids = _model()
+    expected = _generate(model, ids, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, trusted, _ = _run(model, ids)
+    assert torch.equal(got, expected) and trusted == 0
+
+
+@pytest.mark.slow  # (the second tier: each compiles two models or twice)
+def test_another_models_graphs_on_the_same_code_keep_every_guard(opts):
+    """Under the stance Dynamo checks no module attribute: a second model of the same class
+    (or any HF model: their forward wrapper is one code object) whose graphs have the same
+    shapes but another constant would pass. While such graphs exist, every step checks every
+    guard, for both models."""
+    model, ids = _model()
+    other, _ = _model()
+    for layer in other.model.layers:  # a constant the graphs bake in, same shapes
+        layer.self_attn.scaling *= 4.0
+    expected = _generate(model, ids, cache_implementation="static")
+    expected_other = _generate(other, ids, cache_implementation="static")
+    assert not torch.equal(expected, expected_other)
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    generation.compile_for_generate(other, max_cache_len=32, options=opts, device="ort")
+    for _ in range(2):
+        got, trusted, _ = _run(model, ids)
+        got_other, trusted_other, _ = _run(other, ids)
+        assert torch.equal(got, expected) and torch.equal(got_other, expected_other)
+    assert trusted == trusted_other == 0
+
+
+@pytest.mark.slow  # (the second tier: each compiles two models or twice)
+def test_a_model_that_reuses_another_instances_graphs_keeps_eager_tokens(opts):
+    """Two instances that differ only in their weights share Dynamo's graphs (fxpass's weight
+    guard builds each its own variant): the one whose calls compiled them may trust its
+    steps, and both keep eager's tokens."""
+    model, ids = _model()
+    other, _ = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    expected = _generate(model, ids, cache_implementation="static")
+    expected_other = _generate(other, ids, cache_implementation="static")
+    assert not torch.equal(expected, expected_other)
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    generation.compile_for_generate(other, max_cache_len=32, options=opts, device="ort")
+    for _ in range(2):
+        got, trusted, _ = _run(model, ids)
+        got_other, trusted_other, _ = _run(other, ids)
+        assert torch.equal(got, expected) and torch.equal(got_other, expected_other)
+    assert trusted == N - 2 and trusted_other == 0
+
+
+def test_a_trusted_step_that_misses_runs_again_under_every_guard():
+    """A change the step's signature cannot see (a tensor inside an object passed by
+    identity): the differentiating guards miss, torch refuses to compile under the stance,
+    and the step runs again under every guard, with the right answer."""
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    def raw(x, box):
+        return x + box.t.sum()
+
+    fn = torch.compile(raw, backend="eager", dynamic=False)
+    guards = steps.StepGuards("auto", steps.Owner(raw))
+    x, box = torch.ones(2), Box(torch.ones(3))
+    before = steps.STEPS.copy()
+    for _ in range(3):  # compiles, runs every guard, then trusted
+        assert torch.equal(guards.call(fn, (x, box), {}, True), x + 3)
+    box.t = torch.ones(5)  # same box, same signature: the next step is trusted and misses
+    assert torch.equal(guards.call(fn, (x, box), {}, True), x + 5)
+    assert torch.equal(guards.call(fn, (x, box), {}, True), x + 5)
+    counts = {k: steps.STEPS[k] - before[k] for k in ("trusted", "missed", "full")}
+    assert counts == {"trusted": 1, "missed": 1, "full": 4}, counts
+
+
+def test_bad_step_guards_is_refused_naming_the_choices():
+    model, _ = _model()
+    with pytest.raises(ValueError, match=r"step_guards must be one of \('auto', 'all'\)"):
+        generation.compile_for_generate(model, max_cache_len=32, step_guards="none")
+
+
+def test_signature_tells_shapes_values_and_objects_apart():
+    a, cache = torch.zeros(1, 1, dtype=torch.long), object()
+    mask = {"full": torch.zeros(1, 1, 1, 8)}
+    sig = steps.signature((), {"input_ids": a, "past_key_values": cache, "use_cache": True,
+                               "attention_mask": mask})
+    assert sig == steps.signature((), {"use_cache": True, "past_key_values": cache,
+                                       "input_ids": torch.ones(1, 1, dtype=torch.long),
+                                       "attention_mask": {"full": torch.ones(1, 1, 1, 8)}})
+    for change in ({"input_ids": torch.zeros(1, 2, dtype=torch.long)},
+                   {"input_ids": torch.zeros(1, 1, dtype=torch.int32)},
+                   {"input_ids": torch.zeros(1, 2, dtype=torch.long)[:, :1]},
+                   {"past_key_values": object()}, {"use_cache": False}, {"use_cache": 1},
+                   {"attention_mask": {"full": torch.zeros(1, 1, 1, 4)}}):
+        other = {"input_ids": a, "past_key_values": cache, "use_cache": True,
+                 "attention_mask": mask, **change}
+        assert steps.signature((), other) != sig, change
