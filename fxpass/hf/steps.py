@@ -21,9 +21,9 @@ When it applies, all of these hold, else every guard runs:
   mid-call, which only a full check sees);
 - the model's forward compiled without graph breaks (one frame: a guard that misses can only
   miss at its entry, before anything ran), and every graph of the forward's code object under
-  an equal backend is this model's own (:class:`Owner`; HF's forward wrapper is one code
-  object shared by every model class, and under the stance another model's graph of the same
-  shapes would pass);
+  an equal backend was compiled by this model's forward (:class:`Owner`; HF's forward wrapper
+  is one code object shared by every model class, and under the stance another model's graph
+  of the same shapes would pass);
 - the step's arguments have the signature of the step before it (:func:`signature`), and that
   step ran every guard and compiled nothing;
 - torch's stance is the default one, no compiled frame is running, and no Python thread other
@@ -180,14 +180,16 @@ def differentiating_guards(fn: Callable[..., Any], args: tuple, kwargs: dict[str
 
 class Owner:
     """One compiled forward, shared by every thread: its code object, the graphs of that code
-    object it compiled (their compiled code objects, held so their ids stay theirs) and their
-    backend, and whether that record can no longer be vouched for (a graph break, a compile
-    seen while another thread ran, an unreadable list).
+    object it compiled (their compiled code objects, held so their ids stay theirs), the
+    backend object they were compiled with, and whether that record can no longer be vouched
+    for (a graph break, an unreadable list).
 
     Dynamo looks a frame up only among the graphs of an equal backend (the same device and
     options), most recently used first; under the stance the first whose differentiating
     guards pass runs. With every such graph this forward's own, that is the graph the step
-    before chose under every guard."""
+    before chose under every guard. A graph is this forward's when it was compiled with this
+    forward's own backend object (``torch.compile`` makes one per call; another model
+    compiled with equal options has an equal but distinct one)."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.code = getattr(getattr(fn, "__func__", fn), "__code__", None)
@@ -217,14 +219,15 @@ class Owner:
             return
         old = {id(code) for code, _ in had}
         new = [(code, backend) for code, backend in now if id(code) not in old]
-        if not new:
-            return
-        if not alone() or any(b != new[0][1] for _, b in new) or (
-                self.backend is not None and new[0][1] != self.backend):
-            self.unsure = True  # graphs another thread (or another backend) may have added
-            return
-        self.backend = new[0][1]
-        self.kept.update((id(code), code) for code, _ in new)
+        if new and self.backend is None:
+            # the first graph: the one new graph is this call's (another thread compiling the
+            # same code meanwhile makes that uncertain: claim nothing then). A wrong claim
+            # only keeps steps on every guard: this forward's own graphs would then be
+            # graphs of an equal backend it does not hold.
+            if len(new) > 1 and not alone():
+                return
+            self.backend = new[0][1]
+        self.kept.update((id(code), code) for code, backend in new if backend is self.backend)
 
 
 class StepGuards:

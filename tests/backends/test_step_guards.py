@@ -77,13 +77,16 @@ def test_a_change_between_calls_is_seen_by_the_full_check(opts):
     assert trusted == N - 3  # the decode graph was compiled again, then trusted
 
 
-def test_another_python_thread_keeps_every_guard(opts):
+@pytest.mark.parametrize("compiled_beside_it", [False, True])
+def test_another_python_thread_keeps_every_guard(opts, compiled_beside_it):
     """torch's stance is process-wide: with another (non-fxpass) Python thread alive, no step
-    runs under it."""
+    runs under it. Graphs compiled while it was alive are still this model's (their backend
+    object is), so once it is gone the steps are trusted again."""
     model, ids = _model()
     expected = _generate(model, ids, cache_implementation="static")
     generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
-    _generate(model, ids)  # compiled alone: graphs compiled beside another thread are unsure
+    if not compiled_beside_it:
+        _generate(model, ids)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, name="user-thread")
     other.start()
@@ -94,26 +97,8 @@ def test_another_python_thread_keeps_every_guard(opts):
         other.join()
     assert torch.equal(got, expected)
     assert (trusted, full) == (0, N)
-    # and with it gone, the next call trusts again
-    _, trusted, _ = _run(model, ids)
-    assert trusted == N - 2
-
-
-def test_graphs_compiled_beside_another_thread_are_never_trusted(opts):
-    """Graphs that appeared while another thread was alive may be that thread's: the
-    forward's record of its own graphs is unsure from then on."""
-    model, ids = _model()
-    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait, name="user-thread")
-    other.start()
-    try:
-        _run(model, ids)
-    finally:
-        stop.set()
-        other.join()
-    _, trusted, _ = _run(model, ids)
-    assert trusted == 0
+    again, trusted, _ = _run(model, ids)
+    assert torch.equal(again, expected) and trusted == N - 2
 
 
 def test_step_guards_all_checks_every_step(opts):
@@ -135,38 +120,30 @@ def test_a_non_default_stance_is_left_alone(opts):
     assert torch.equal(got, expected) and trusted == 0
 
 
-@pytest.mark.slow  # (the second tier: each compiles two models or twice)
-def test_another_models_graphs_on_the_same_code_keep_every_guard(opts):
-    """Under the stance Dynamo checks no module attribute: a second model of the same class
-    (or any HF model: their forward wrapper is one code object) whose graphs have the same
-    shapes but another constant would pass. While such graphs exist, every step checks every
-    guard, for both models."""
-    model, ids = _model()
-    other, _ = _model()
-    for layer in other.model.layers:  # a constant the graphs bake in, same shapes
+def _scale_attention(model):
+    for layer in model.model.layers:  # a constant the graphs bake in, same shapes
         layer.self_attn.scaling *= 4.0
-    expected = _generate(model, ids, cache_implementation="static")
-    expected_other = _generate(other, ids, cache_implementation="static")
-    assert not torch.equal(expected, expected_other)
-    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
-    generation.compile_for_generate(other, max_cache_len=32, options=opts, device="ort")
-    for _ in range(2):
-        got, trusted, _ = _run(model, ids)
-        got_other, trusted_other, _ = _run(other, ids)
-        assert torch.equal(got, expected) and torch.equal(got_other, expected_other)
-    assert trusted == trusted_other == 0
 
 
-@pytest.mark.slow  # (the second tier: each compiles two models or twice)
-def test_a_model_that_reuses_another_instances_graphs_keeps_eager_tokens(opts):
-    """Two instances that differ only in their weights share Dynamo's graphs (fxpass's weight
-    guard builds each its own variant): the one whose calls compiled them may trust its
-    steps, and both keep eager's tokens."""
+def _other_weights(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+
+
+@pytest.mark.slow  # (the second tier: compiles two models)
+@pytest.mark.parametrize("change, trusts", [(_scale_attention, 0), (_other_weights, N - 2)],
+                         ids=["another-constant", "other-weights"])
+def test_two_models_of_one_class_keep_eager_tokens(opts, change, trusts):
+    """Under the stance Dynamo checks no module attribute or weight, and HF's forward wrapper
+    is one code object for every model. A second model whose graphs have the same shapes but
+    another constant would pass: while such graphs exist, every step of both checks every
+    guard. Two instances that differ only in their weights share Dynamo's graphs (fxpass's
+    weight guard builds each its own variant): the one whose calls compiled them may trust
+    its steps. Both keep eager's tokens either way."""
     model, ids = _model()
     other, _ = _model()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p))
+    change(other)
     expected = _generate(model, ids, cache_implementation="static")
     expected_other = _generate(other, ids, cache_implementation="static")
     assert not torch.equal(expected, expected_other)
@@ -176,7 +153,7 @@ def test_a_model_that_reuses_another_instances_graphs_keeps_eager_tokens(opts):
         got, trusted, _ = _run(model, ids)
         got_other, trusted_other, _ = _run(other, ids)
         assert torch.equal(got, expected) and torch.equal(got_other, expected_other)
-    assert trusted == N - 2 and trusted_other == 0
+    assert (trusted, trusted_other) == (trusts, 0)
 
 
 def test_a_trusted_step_that_misses_runs_again_under_every_guard():
