@@ -44,7 +44,7 @@ def _with_thread(run: Callable[[int], Any], thread: threading.Thread,
         if vouched:
             steps.ignore_thread(thread)
         else:
-            steps._IGNORED.discard(thread.ident)
+            steps._IGNORED_THREADS.discard(thread)
         return run(n)
 
     return call

@@ -153,9 +153,12 @@ def compile_for_generate(
     # second call with the same dict compiled without the filter)
     compiled = torch.compile(forward, backend=f"fxpass_{opts.device}", dynamic=False,
                              options={k: v for k, v in (options or {}).items() if k != "device"})
-    state = _GenerateState(loop_threads, step_guards, Owner(forward))
+    # the graphs an earlier compile_for_generate of this model compiled stay its own
+    owner = Owner(forward, compiled, getattr(model.forward, OWNER, None))
+    state = _GenerateState(loop_threads, step_guards, owner)
     prefill = PrefillChunks(prefill_chunk)
     model.forward = _step_counters_symbolic(compiled, forward, state)
+    setattr(model.forward, OWNER, owner)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
     model.generate = _loop_on_threads(generate, state, prefill)
     _spell_out_masks(model, state)
@@ -187,6 +190,8 @@ TORCH_OPTIONS = ("guard_filter_fn",)
 
 #: the attribute of a ``compile_for_generate`` forward that holds the model's own forward
 UNCOMPILED = "_fxpass_uncompiled"
+#: ... and the record of the graphs it compiled (``fxpass.hf.steps.Owner``)
+OWNER = "_fxpass_step_owner"
 
 
 class _GenerateState(threading.local):

@@ -9,10 +9,10 @@ one ``generate()`` call nothing those guards watch changes from one decode step 
 HF's loop passes the same cache object, the same flags and tensors of the same shapes. So the
 first decode steps run every guard; once a step has run the same graph as the step before it
 under every guard, with nothing compiled, the following steps of that call run under torch's
-``skip_guard_eval_unsafe`` stance: Dynamo then checks only the guards that differ between
-the frame's compiled graphs (every tensor's dtype, shape and strides, and whatever made it
-recompile before), so prefill and decode graphs are still told apart. fxpass's weight guard
-runs on every call either way.
+``skip_guard_eval_unsafe`` stance: Dynamo then checks only the guards that tell the frame's
+compiled graphs apart (the input tensors' dtypes, shapes and strides, not the parameters'; and
+guards that have failed before), so prefill and decode graphs are still told apart. fxpass's
+weight guard runs on every call either way.
 
 When it applies, all of these hold, else every guard runs:
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -56,8 +57,8 @@ MODES = ("auto", "all")
 #: and trusted ones whose guards missed ("missed", run again in full), in this process; tests
 #: assert on it
 STEPS: Counter[str] = Counter()
-#: threads whose names start so are fxpass's own (tiering, preloading, region compiles): they
-#: never run a torch.compile'd frame
+#: threads whose names start so are fxpass's own (the backend's region compiles, the tiered
+#: executor's second-tier builds, package preloading): they never run a torch.compile'd frame
 OWN_THREADS = "fxpass-"
 #: library threads known never to run one: tqdm's monitor (started by any progress bar, HF's
 #: checkpoint writers among them) only wakes to refresh bars
@@ -84,49 +85,69 @@ def _key(v: Any) -> Any:
     return (type(v), id(v))
 
 
-#: thread idents the caller vouches for (:func:`ignore_thread`)
-_IGNORED: set[int] = set()
+#: threads the caller vouches for (:func:`ignore_thread`): ``threading`` threads by object
+#: (an ident is reused once its thread ends), others by ident
+_IGNORED_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_IGNORED_IDENTS: set[int] = set()
 
 
 def ignore_thread(thread: threading.Thread | int) -> None:
-    """Vouch that ``thread`` (or a thread ident) never calls a ``torch.compile``'d function,
-    so its being alive does not keep decode steps on every guard (a server's I/O thread, a
-    test runner's)."""
-    _IGNORED.add(thread if isinstance(thread, int) else thread.ident)
+    """Vouch that ``thread`` never calls a ``torch.compile``'d function, so its being alive
+    does not keep decode steps on every guard (a server's I/O thread, a test runner's). A
+    ``threading.Thread`` is vouched for while it lives; a bare ident (a thread started through
+    ``_thread`` or native code, which ``threading`` does not list) for good, so a later thread
+    given the same ident is vouched for too."""
+    if isinstance(thread, int):
+        _IGNORED_IDENTS.add(thread)
+    else:
+        _IGNORED_THREADS.add(thread)
 
 
 def alone() -> bool:
     """Whether every Python thread but this one is an fxpass worker, tqdm's monitor or
-    ignored. Threads
-    started below ``threading`` (``_thread``, native code) count too: they are seen through
-    ``sys._current_frames``."""
+    vouched for. Threads started below ``threading`` (``_thread``) count too: they are seen
+    through ``sys._current_frames`` (a native thread only while it runs Python)."""
     frames = sys._current_frames()
     if len(frames) == 1:
         return True
     me = threading.get_ident()
-    names = {t.ident: t.name for t in threading.enumerate()}
-    return all(i == me or i in _IGNORED or names.get(i, "").startswith(OWN_THREADS)
-               or names.get(i) in KNOWN_THREADS for i in frames)
+    active = threading._active  # ident -> Thread, as threading.enumerate() reads it
+    for i in frames:
+        if i == me or i in _IGNORED_IDENTS:
+            continue
+        t = active.get(i)
+        if t is None or not (t in _IGNORED_THREADS or t.name.startswith(OWN_THREADS)
+                             or t.name in KNOWN_THREADS):
+            return False
+    return True
 
 
 def compiles() -> tuple[int, int, int] | None:
-    """Dynamo's counts of frames compiled, graphs compiled and graph breaks in this process
-    (None: not readable, so trust nothing)."""
+    """Dynamo's counts of frames compiled, graphs compiled and graph breaks (its graph-break
+    messages plus the resume functions it made: a data-dependent branch breaks the graph
+    without a message) in this process (None: not readable, so trust nothing)."""
+    c = _counters()
+    if c is None:
+        return None
+    return (c["frames"]["total"], c["stats"]["unique_graphs"],
+            sum(c["graph_break"].values()) + sum(c["resumes"].values()))
+
+
+@functools.cache
+def _counters() -> Any:
     try:
         from torch._dynamo.utils import counters
 
-        return (int(counters["frames"]["total"]), int(counters["stats"]["unique_graphs"]),
-                sum(counters["graph_break"].values()))
-    except Exception:  # noqa: BLE001 - private counters; unknown means "do not skip"
+        return counters
+    except ImportError:  # a private name; unknown means "do not skip"
         return None
 
 
 def entries(code: Any) -> list[tuple[Any, Any]] | None:
     """(compiled code, backend) of each graph Dynamo holds for ``code`` (None: unreadable)."""
+    ef = _eval_frame()
     try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return [(e.code, e.backend) for e in _debug_get_cache_entry_list(code)]
+        return [(e.code, e.backend) for e in ef._debug_get_cache_entry_list(code)]
     except Exception:  # noqa: BLE001 - a private API; unknown means "do not skip"
         return None
 
@@ -140,7 +161,7 @@ def default_stance() -> bool:
         return False
     st = ef._stance
     return (st.stance == "default" and st.backend is None and not st.skip_guard_eval_unsafe
-            and _callback() in (None, False))
+            and ef.fxpass_callback() in (None, False))
 
 
 @functools.cache
@@ -149,16 +170,14 @@ def _eval_frame() -> Any:
     try:
         import torch._dynamo.eval_frame as ef
 
-        ef._stance, ef._set_stance, ef.DynamoStance  # noqa: B018 - present in this torch?
+        ef._stance, ef._set_stance, ef.DynamoStance, ef._debug_get_cache_entry_list  # noqa: B018
+        ef.innermost_backend  # noqa: B018
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+        ef.fxpass_callback = get_eval_frame_callback
         return ef
     except (ImportError, AttributeError):
         return None
-
-
-def _callback() -> Any:
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
-    return get_eval_frame_callback()
 
 
 @functools.cache
@@ -178,30 +197,46 @@ def differentiating_guards(fn: Callable[..., Any], args: tuple, kwargs: dict[str
         ef._set_stance(prev)
 
 
+def backend_of(compiled: Callable[..., Any]) -> Any:
+    """The backend object ``torch.compile`` gave ``compiled``: what Dynamo stores with each
+    graph it compiles through it (None: not readable from this torch's wrapper)."""
+    try:
+        cells = dict(zip(compiled.__code__.co_freevars, compiled.__closure__ or (), strict=True))
+        return _eval_frame().innermost_backend(cells["callback"].cell_contents)
+    except Exception:  # noqa: BLE001 - torch's private wrapper layout; learn it instead
+        return None
+
+
 class Owner:
     """One compiled forward, shared by every thread: its code object, the graphs of that code
     object it compiled (their compiled code objects, held so their ids stay theirs), the
-    backend object they were compiled with, and whether that record can no longer be vouched
-    for (a graph break, an unreadable list).
+    backend objects they were compiled with (the first is the current one), and whether that
+    record can no longer be vouched for (a graph break, an unreadable list).
 
     Dynamo looks a frame up only among the graphs of an equal backend (the same device and
     options), most recently used first; under the stance the first whose differentiating
     guards pass runs. With every such graph this forward's own, that is the graph the step
     before chose under every guard. A graph is this forward's when it was compiled with this
-    forward's own backend object (``torch.compile`` makes one per call; another model
-    compiled with equal options has an equal but distinct one)."""
+    forward's own backend object (``torch.compile`` makes one per call; another model compiled
+    with equal options has an equal but distinct one), or with the backend of an earlier
+    ``compile_for_generate`` of the same model (``previous``)."""
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], compiled: Callable[..., Any] | None = None,
+                 previous: Owner | None = None):
         self.code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-        self.kept: dict[int, Any] = {}
-        self.backend: Any = None
-        self.unsure = False
+        self.kept: dict[int, Any] = dict(previous.kept) if previous else {}
+        #: read off ``compiled`` (torch.compile's wrapper of ``fn``), else learned from the
+        #: first graph this forward compiles
+        self.backend: Any = backend_of(compiled) if compiled is not None else None
+        self.earlier: list[Any] = ([previous.backend, *previous.earlier]
+                                   if previous and previous.backend is not None else [])
+        self.unsure = bool(previous and previous.unsure)
         self._checked: tuple[tuple[int, int, int] | None, bool] = (None, False)
 
     def sound(self, counts: tuple[int, int, int]) -> bool:
         """Whether every graph of an equal backend on the code object is this forward's.
         ``counts``: :func:`compiles` now; the answer is kept until they change (graphs are
-        added only by compiles, and ``torch._dynamo.reset()`` clears the counts too)."""
+        added only by compiles, and the counts only grow)."""
         if self.unsure or self.code is None or self.backend is None:
             return False
         if self._checked[0] != counts:
@@ -212,22 +247,28 @@ class Owner:
 
     def record(self, had: list[tuple[Any, Any]] | None, now: list[tuple[Any, Any]] | None,
                broke: bool) -> None:
-        """What one call under every guard compiled (``had``/``now``: :func:`entries` around
-        it; ``broke``: Dynamo counted a graph break meanwhile)."""
-        if had is None or now is None or broke:
+        """What one call under every guard compiled (``had``: :func:`entries` before it,
+        needed only until the forward's backend is known; ``now``: after it; ``broke``:
+        Dynamo counted a graph break meanwhile)."""
+        if now is None or broke:
             self.unsure = True
             return
-        old = {id(code) for code, _ in had}
-        new = [(code, backend) for code, backend in now if id(code) not in old]
-        if new and self.backend is None:
+        if self.backend is None:
+            if had is None:
+                self.unsure = True
+                return
+            old = {id(code) for code, _ in had}
+            new = [(code, backend) for code, backend in now if id(code) not in old]
             # the first graph: the one new graph is this call's (another thread compiling the
             # same code meanwhile makes that uncertain: claim nothing then). A wrong claim
             # only keeps steps on every guard: this forward's own graphs would then be
             # graphs of an equal backend it does not hold.
-            if len(new) > 1 and not alone():
+            if not new or (len(new) > 1 and not alone()):
                 return
             self.backend = new[0][1]
-        self.kept.update((id(code), code) for code, backend in new if backend is self.backend)
+        mine = (self.backend, *self.earlier)
+        self.kept.update((id(code), code) for code, backend in now
+                         if any(backend is b for b in mine))
 
 
 class StepGuards:
@@ -269,27 +310,23 @@ class StepGuards:
                 STEPS["missed"] += 1
                 self.last, self.off = None, True
                 return self._full(fn, args, kwargs, sig, compiles())
-            if compiles() == before:
-                STEPS["trusted"] += 1
-                return out
-            self.last = None  # (not expected: torch compiles nothing under the stance)
+            STEPS["trusted"] += 1  # (torch compiles nothing under the stance: it raises)
             return out
         return self._full(fn, args, kwargs, sig, before)
 
     def _full(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
               sig: tuple | None, before: tuple[int, int, int] | None) -> Any:
-        """A step under every guard; counts the graphs it compiled as the owner's, and
+        """A step under every guard; records the graphs it compiled as the owner's, and
         remembers its signature when it compiled nothing."""
-        code = self.owner.code
-        had = entries(code) if code is not None else None
+        owner = self.owner
+        had = entries(owner.code) if owner.code is not None and owner.backend is None else None
         out = fn(*args, **kwargs)
         after = compiles()
         STEPS["full"] += 1
-        if code is not None:
-            self.owner.record(had, entries(code), before is None or after is None
-                              or after[2] != before[2])
         if before is None or after is None:
-            self.last = None
+            owner.unsure, self.last = True, None
             return out
+        if after != before and owner.code is not None:
+            owner.record(had, entries(owner.code), after[2] != before[2])
         self.last = sig if after == before and not self.off else None
         return out

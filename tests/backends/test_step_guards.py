@@ -156,6 +156,19 @@ def test_two_models_of_one_class_keep_eager_tokens(opts, change, trusts):
     assert (trusted, trusted_other) == (trusts, 0)
 
 
+@pytest.mark.slow  # (the second tier: compiles twice)
+def test_compiling_the_model_again_keeps_its_graphs_its_own(opts):
+    """compile_for_generate again with equal options: the new torch.compile hits the graphs
+    of the first (an equal backend), which stay this model's, so its steps are trusted."""
+    model, ids = _model()
+    expected = _generate(model, ids, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    got, trusted, full = _run(model, ids)
+    assert torch.equal(got, expected) and (trusted, full) == (N - 2, 2)
+
+
 def test_a_trusted_step_that_misses_runs_again_under_every_guard():
     """A change the step's signature cannot see (a tensor inside an object passed by
     identity): the differentiating guards miss, torch refuses to compile under the stance,
