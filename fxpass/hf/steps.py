@@ -161,7 +161,7 @@ def default_stance() -> bool:
         return False
     st = ef._stance
     return (st.stance == "default" and st.backend is None and not st.skip_guard_eval_unsafe
-            and ef.fxpass_callback() in (None, False))
+            and _get_callback()() in (None, False))
 
 
 @functools.cache
@@ -172,12 +172,18 @@ def _eval_frame() -> Any:
 
         ef._stance, ef._set_stance, ef.DynamoStance, ef._debug_get_cache_entry_list  # noqa: B018
         ef.innermost_backend  # noqa: B018
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
-        ef.fxpass_callback = get_eval_frame_callback
+        _get_callback()
         return ef
     except (ImportError, AttributeError):
         return None
+
+
+@functools.cache
+def _get_callback() -> Callable[[], Any]:
+    """torch's reader of the frame callback now set (set: a compiled frame is running)."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback
 
 
 @functools.cache
