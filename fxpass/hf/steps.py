@@ -215,9 +215,9 @@ def backend_of(compiled: Callable[..., Any]) -> Any:
 
 class Owner:
     """One compiled forward, shared by every thread: its code object, the graphs of that code
-    object it compiled (their compiled code objects, held so their ids stay theirs), the
-    backend objects they were compiled with (the first is the current one), and whether that
-    record can no longer be vouched for (a graph break, an unreadable list).
+    object it compiled (their compiled code objects, held so their ids stay theirs), its
+    backend object and those of earlier compiles of the same model, and whether that record
+    can no longer be vouched for (a graph break, an unreadable list).
 
     Dynamo looks a frame up only among the graphs of an equal backend (the same device and
     options), most recently used first; under the stance the first whose differentiating
@@ -231,8 +231,8 @@ class Owner:
                  previous: Owner | None = None):
         self.code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         self.kept: dict[int, Any] = dict(previous.kept) if previous else {}
-        #: read off ``compiled`` (torch.compile's wrapper of ``fn``), else learned from the
-        #: first graph this forward compiles
+        #: read off ``compiled`` (torch.compile's wrapper of ``fn``); None (another torch's
+        #: wrapper layout) keeps every step on every guard
         self.backend: Any = backend_of(compiled) if compiled is not None else None
         self.earlier: list[Any] = ([previous.backend, *previous.earlier]
                                    if previous and previous.backend is not None else [])
@@ -251,30 +251,16 @@ class Owner:
                 id(code) in self.kept for code, backend in found if backend == self.backend))
         return self._checked[1]
 
-    def record(self, had: list[tuple[Any, Any]] | None, now: list[tuple[Any, Any]] | None,
-               broke: bool) -> None:
-        """What one call under every guard compiled (``had``: :func:`entries` before it,
-        needed only until the forward's backend is known; ``now``: after it; ``broke``:
-        Dynamo counted a graph break meanwhile)."""
+    def record(self, broke: bool) -> None:
+        """After a call under every guard that compiled something (``broke``: Dynamo counted
+        a graph break meanwhile): hold the graphs compiled with this forward's backends."""
+        now = entries(self.code) if self.code is not None else None
         if now is None or broke:
             self.unsure = True
             return
-        if self.backend is None:
-            if had is None:
-                self.unsure = True
-                return
-            old = {id(code) for code, _ in had}
-            new = [(code, backend) for code, backend in now if id(code) not in old]
-            # the first graph: the one new graph is this call's (another thread compiling the
-            # same code meanwhile makes that uncertain: claim nothing then). A wrong claim
-            # only keeps steps on every guard: this forward's own graphs would then be
-            # graphs of an equal backend it does not hold.
-            if not new or (len(new) > 1 and not alone()):
-                return
-            self.backend = new[0][1]
         mine = (self.backend, *self.earlier)
         self.kept.update((id(code), code) for code, backend in now
-                         if any(backend is b for b in mine))
+                         if any(backend is b for b in mine if b is not None))
 
 
 class StepGuards:
@@ -325,14 +311,13 @@ class StepGuards:
         """A step under every guard; records the graphs it compiled as the owner's, and
         remembers its signature when it compiled nothing."""
         owner = self.owner
-        had = entries(owner.code) if owner.code is not None and owner.backend is None else None
         out = fn(*args, **kwargs)
         after = compiles()
         STEPS["full"] += 1
         if before is None or after is None:
             owner.unsure, self.last = True, None
             return out
-        if after != before and owner.code is not None:
-            owner.record(had, entries(owner.code), after[2] != before[2])
+        if after != before:
+            owner.record(after[2] != before[2])
         self.last = sig if after == before and not self.off else None
         return out

@@ -182,7 +182,7 @@ def test_a_trusted_step_that_misses_runs_again_under_every_guard():
         return x + box.t.sum()
 
     fn = torch.compile(raw, backend="eager", dynamic=False)
-    guards = steps.StepGuards("auto", steps.Owner(raw))
+    guards = steps.StepGuards("auto", steps.Owner(raw, fn))
     x, box = torch.ones(2), Box(torch.ones(3))
     before = steps.STEPS.copy()
     for _ in range(3):  # compiles, runs every guard, then trusted
