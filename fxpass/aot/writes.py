@@ -46,8 +46,11 @@ class StateWrites:
             else:
                 writes.append((dim, args[k], args[k + 1], args[k + 2]))
                 k += 3
-        key = tuple((id(d), None if i is None else int(i) if i.numel() == 1 else None)
-                    for _, i, d, _ in writes)
+        at: dict[int, int | None] = {}  # one read per index tensor (a step passes one to all)
+        for _, i, _, _ in writes:
+            if i is not None and id(i) not in at:
+                at[id(i)] = int(i) if i.numel() == 1 else None
+        key = tuple((id(d), None if i is None else at[id(i)]) for _, i, d, _ in writes)
         views = self.views.get(key)
         if views is None and all(_fast(*w) for w in writes):
             if len(self.views) >= MAX_VIEWS:
