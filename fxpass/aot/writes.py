@@ -37,15 +37,18 @@ class StateWrites:
         self.dims = dims  # per write: the index_copy_'s dim, or None for a copy_
         self.views: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 
-    def __call__(self, *args: torch.Tensor) -> None:
+    def __call__(self, *args: torch.Tensor | None) -> None:
         writes, k = [], 0
         for dim in self.dims:  # (dim, index, dst, src) with index None for a copy_
             if dim is None:
                 writes.append((None, None, args[k], args[k + 1]))
                 k += 2
             else:
-                writes.append((dim, args[k], args[k + 1], args[k + 2]))
+                if args[k + 2] is not None:  # None: a row the region's kernel wrote itself
+                    writes.append((dim, args[k], args[k + 1], args[k + 2]))
                 k += 3
+        if not writes:
+            return
         at: dict[int, int | None] = {}  # one read per index tensor (a step passes one to all)
         for _, i, _, _ in writes:
             if i is not None and id(i) not in at:
@@ -93,7 +96,7 @@ def fuse_index_writes(gm: GraphModule) -> int:
             continue
         if n.args[0].op != "placeholder":
             continue
-        if n.target is aten.index_copy_.default and not (
+        if n.target is not aten.copy_.default and not (
                 isinstance(n.args[1], int) and isinstance(n.args[2], Node)):
             continue
         found.setdefault(n.args[0], []).append(n)
@@ -150,9 +153,59 @@ def grant_in_place(gm: GraphModule, executor_of: Callable[[Node], Any]) -> int:
                 a not in u.args[1:]) and order[u] > order[n]]
             if len(writes) == len(others) and any(w.args[-1] in returned for w in writes):
                 ok.add(i)
-        ex.grant(ok)
+        rows = getattr(ex, "in_place_rows", None)
+        if rows is None:
+            ex.grant(ok)
+        else:
+            ex.grant(ok, _written_rows(n, rows(), ok))
         granted += len(ok)
     return granted
+
+
+def written_rows(gm: GraphModule) -> int:
+    """How many write-backs of ``gm`` its region's kernel may do itself (``_written_rows``)."""
+    return len(gm.graph.find_nodes(op="call_function", target=index_copy_unless_written))
+
+
+def index_copy_unless_written(dst: torch.Tensor, dim: int, index: torch.Tensor,
+                              src: torch.Tensor | None) -> None:
+    """``dst.index_copy_(dim, index, src)``, or nothing when ``src`` is None: the region's
+    kernel wrote that row into ``dst`` itself (``_written_rows``)."""
+    if src is not None:
+        dst.index_copy_(dim, index, src)
+
+
+def _written_rows(call: Node, rows: dict[int, tuple[int, int]], granted: set[int]) -> set[int]:
+    """The region outputs ``call``'s executor may return as None, its write-backs made
+    ``index_copy_unless_written``: for a granted input whose one write after the call is
+    ``index_copy_`` along the executor's axis of output ``j`` (``in_place_rows``: the row its
+    kernel writes into that input, at the position the program writes it), read by nothing
+    else. The kernel then wrote that row there already; on a call the region answers
+    otherwise (its eager fallback), the output is a tensor and the write runs.
+
+    Why: a decode step of a 4-layer model returned eight rows and wrote them back, eight
+    outputs and a copy each, for values its kernel had just written."""
+    written = set()
+    for i in granted:
+        if i not in rows:
+            continue
+        j, axis = rows[i]
+        others = [u for u in call.args[i].users if u is not call]
+        if len(others) != 1:
+            continue
+        (w,) = others
+        src = w.args[-1] if w.target is aten.index_copy_.default else None
+        val = call.args[i].meta.get("val")
+        dim = w.args[1] % val.dim() if isinstance(val, torch.Tensor) and isinstance(
+            w.args[1], int) else w.args[1]
+        if (isinstance(src, Node) and src.op == "call_function" and src.target is getitem
+                and src.args == (call, j) and len(src.users) == 1 and dim == axis
+                and not w.users):
+            w.target = index_copy_unless_written
+            written.add(j)
+    if written:
+        call.graph.owning_module.recompile()
+    return written
 
 
 def state_reads(gm: GraphModule, state: list[str]) -> set[str]:
@@ -181,4 +234,5 @@ def drop_writes(gm: GraphModule, names: Collection[str]) -> int:
 
 
 def _writes(n: Node) -> bool:
-    return n.op == "call_function" and n.target in (aten.copy_.default, aten.index_copy_.default)
+    return n.op == "call_function" and n.target in (
+        aten.copy_.default, aten.index_copy_.default, index_copy_unless_written)

@@ -222,6 +222,8 @@ class RegionCall(torch.nn.Module):
             views = None  # an output left unreshaped (host.output_views): viewed back here
             for i, shape, numel in self._outs:
                 o = outs[i]
+                if o is None:  # a row the kernel wrote in place (``aot.writes``), not returned
+                    continue
                 if o.shape != shape:
                     if o.numel() != numel:
                         return self._fallback(

@@ -37,7 +37,7 @@ def streamline(compiled: Any, inputs: list[tuple[Any, bool]]) -> dict[str, int]:
     whether it is a frozen weight (a graph rebuilt from a stored plan carries neither). Returns
     what was done, for the report (absent when zero)."""
     from fxpass.aot.memo import memoize
-    from fxpass.aot.writes import fuse_index_writes, grant_in_place
+    from fxpass.aot.writes import fuse_index_writes, grant_in_place, written_rows
     from fxpass.jit.runtime import TorchThreads
 
     gm = compiled.graph if isinstance(compiled, TorchThreads) else compiled
@@ -49,8 +49,9 @@ def streamline(compiled: Any, inputs: list[tuple[Any, bool]]) -> dict[str, int]:
     constants = {p.name for p, (_, frozen) in zip(phs, inputs, strict=True) if frozen}
     keys = [p.name for p, (val, frozen) in zip(phs, inputs, strict=True)
             if not frozen and _small_int(val)]
-    done = {"in_place_inputs": grant_in_place(gm, _executor(gm)),
-            "fused_writes": fuse_index_writes(gm)}
+    done = {"in_place_inputs": grant_in_place(gm, _executor(gm))}
+    done["written_rows"] = written_rows(gm)  # (before fusing: the writes then hide in one call)
+    done["fused_writes"] = fuse_index_writes(gm)
     memos = memoize(gm, keys, constants) if keys else []
     done["memoized_ops"] = sum(
         1 for m in memos for n in m.fn.graph.nodes if n.op == "call_function")

@@ -261,3 +261,43 @@ def test_a_tiered_executor_hands_every_grant_to_its_second_tier():
     tiered.grant({0})
     assert tiered.wait() is second
     assert first.seen == second.seen == [{0, 1}, {0}]
+
+    class RowTier(Tier):  # one that declares its rows also gets what each caller skips
+        def in_place_rows(self):
+            return {0: (3, 2)}
+
+        def grant(self, inputs, written=frozenset()):
+            self.seen.append((set(inputs), set(written)))
+
+    first, second = RowTier(), RowTier()
+    tiered = TieredExecutor(first, lambda: second)
+    assert tiered.in_place_rows() == {0: (3, 2)}
+    tiered.grant({0, 1}, {3})
+    tiered.grant({0})
+    assert tiered.wait() is second
+    assert first.seen == second.seen == [({0, 1}, {3}), ({0}, set())]
+
+
+def test_rows_its_kernel_wrote_are_neither_returned_nor_written_again(opts, monkeypatch):
+    """The kernel writes each new row into its cache; the program's own write-back of that row
+    is skipped and the executor leaves the row out, except on a call the region answers
+    eagerly (here: its session fails): then the program writes eager's rows."""
+    import gc
+
+    from fxpass.backends.onnx.host.ort import OrtExecutor
+
+    step = _step(8)
+    compiled = _compile(step, opts, strict=False)
+    before = len(fxpass.compile_reports())
+    for pos in (2, 3, 4):  # the first call learns the output shapes; then rows are left out
+        _check(compiled, step, 8, pos, _causal(pos))
+    (report,) = fxpass.compile_reports()[before:]
+    assert report.streamlined.get("written_rows") == 2, report.streamlined
+    skipping = [o for o in gc.get_objects() if type(o) is OrtExecutor and o._skip]
+    assert any(len(o._skip) == 2 for o in skipping)
+    def fail(self, tensors):  # the kernel never runs: the eager fallback's rows must be
+        raise RuntimeError("session lost")  # written by the program
+
+    monkeypatch.setattr(OrtExecutor, "_bound", fail)
+    with pytest.warns(RegionFallbackWarning, match="session lost"):
+        _check(compiled, step, 8, 6, _causal(6))

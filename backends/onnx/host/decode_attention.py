@@ -45,6 +45,7 @@ The board path never calls this: it is part of
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import numpy as np
@@ -52,7 +53,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fxpass.backends.onnx.host.onnx_match import add_initializer, producer_of, static_shape
-from fxpass.backends.onnx.host.ort import IN_PLACE, OK_OUTPUT
+from fxpass.backends.onnx.host.ort import IN_PLACE, OK_OUTPUT, ROWS_KEY
 
 DOMAIN = "com.microsoft"
 _MODERATE = 1e30
@@ -85,6 +86,64 @@ def fuse_decode_attention(model: ir.Model) -> int:
     # the old guards and row writes, now unread: gone before the row-write fusion sees them
     RemoveUnusedNodesPass()(model)
     return len(matches)
+
+
+def declare_rows(model: ir.Model) -> int:
+    """Name, in the model's metadata (``host.ort.ROWS_KEY``), the graph output that holds the
+    row each in-place kernel writes into its cache: ``{IN_PLACE + cache: [output, axis]}``.
+    Run last (after the cleanups and ``output_views``, which move outputs and names).
+
+    Why: the program writes that row into the cache itself after the call (its own
+    ``index_copy_`` at the step's position; ``aot.writes.grant_in_place``). Where the kernel
+    already wrote it, the executor may leave that output out and the program skip the write:
+    eight small outputs and eight copies per decode step of a 4-layer model. The row is found
+    from the kernel's key (value) input through ``Reshape`` / ``Identity`` nodes (a reshape
+    keeps the elements' order, and ``RegionCall`` views an output back by reshape) and the
+    row write's ``Where(one slot, row, the cache's own row)``, whose ``row`` is what the kernel
+    writes whenever the call is not declined. A row that is no graph output is not named."""
+    rows: dict[str, list] = {}
+    for node in model.graph:
+        if node.domain != DOMAIN or node.op_type != "GroupQueryAttention":
+            continue
+        for k in (1, 2):  # (key, present key), (value, present value)
+            present = node.outputs[k]
+            if present is None or not present.name.startswith(IN_PLACE):
+                continue
+            out = _graph_output_of(node.inputs[k], node.inputs[k + 2])
+            if out is not None:
+                rows[present.name] = [out.name, 2]
+    if rows:
+        model.metadata_props[ROWS_KEY] = json.dumps(rows, sort_keys=True)
+    return len(rows)
+
+
+def _graph_output_of(v: ir.Value | None, cache: ir.Value | None) -> ir.Value | None:
+    """A graph output holding ``v``'s elements in order: ``v`` or a value one ``Reshape`` /
+    ``Identity`` / row-write ``Where`` (the row) away from it, up or down, repeatedly."""
+    seen, todo = set(), [v]
+    while todo:
+        v = todo.pop()
+        if v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.is_graph_output():
+            return v
+        p = v.producer()
+        if p is not None and p.domain == "" and p.op_type in ("Reshape", "Identity"):
+            todo.append(p.inputs[0])
+        elif p is not None and p.domain == "" and p.op_type == "Where" and _own_row(
+                p.inputs[2], cache):
+            todo.append(p.inputs[1])
+        for u in v.consumers():
+            if u.domain == "" and u.op_type in ("Reshape", "Identity") and u.inputs[0] is v:
+                todo.append(u.outputs[0])
+    return None
+
+
+def _own_row(v: ir.Value | None, cache: ir.Value | None) -> bool:
+    """Whether ``v`` is ``Gather(cache, slot, axis=2)``: ``safe_row``'s fallback row."""
+    g = producer_of(v, "Gather")
+    return g is not None and g.inputs[0] is cache
 
 
 @functools.cache

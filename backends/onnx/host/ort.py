@@ -5,6 +5,7 @@ session while the prepacked one builds in the background."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import warnings
@@ -50,6 +51,10 @@ OK_OUTPUT = "fxpass_ok"
 #: row): once the graph around the region allows it (``grant``), the output is bound to the
 #: input's own memory and the kernel writes the row there instead of copying the cache
 IN_PLACE = "fxpass_inplace/"
+#: model metadata: ``{IN_PLACE + input: [output, axis]}``, the output holding the row a kernel
+#: writes into that input along ``axis`` at the position the program writes it itself
+#: (``host.decode_attention.declare_rows``)
+ROWS_KEY = "fxpass_inplace_rows"
 #: torch -> numpy dtypes an input or output can be bound with by pointer
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
               torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8,
@@ -161,6 +166,14 @@ class OrtExecutor:
                           if n.startswith(IN_PLACE) and n[len(IN_PLACE):] in input_names}
         self._granted: dict[str, int] = {}
         self._allowed: set[int] | None = None  # what every caller granted (None: none asked)
+        rows = json.loads(self.session.get_modelmeta().custom_metadata_map.get(ROWS_KEY, "{}"))
+        returned = [n for n in self.output_names if n != OK_OUTPUT]
+        #: input -> (its row's place among the returned outputs, axis) (``in_place_rows``)
+        self._rows = {self._in_place[n]: (returned.index(out), axis)
+                      for n, (out, axis) in rows.items()
+                      if n in self._in_place and out in returned}
+        self._written: set[int] | None = None  # the rows every caller lets this leave out
+        self._skip: set[int] = set()  # ... of the inputs granted: places in output_names
         self._local = threading.local()  # a binding per thread (``_bound``)
         self._generation = 0
 
@@ -168,13 +181,25 @@ class OrtExecutor:
         """The inputs this model can update in place, if the caller allows it (``grant``)."""
         return set(self._in_place.values())
 
-    def grant(self, inputs: set[int]) -> None:
+    def in_place_rows(self) -> dict[int, tuple[int, int]]:
+        """input -> (output, axis): the output (its place in what a call returns) that holds
+        the row the kernel writes into that input when granted, along ``axis``, at the
+        position where the program writes that row back itself (``declare_rows``)."""
+        return dict(self._rows)
+
+    def grant(self, inputs: set[int], written: set[int] = frozenset()) -> None:
         """Allow writing into these inputs (``aot.writes.grant_in_place`` proved that the
-        program writes them itself right after the call). An executor called from several
-        places keeps what every one of them allowed."""
+        program writes them itself right after the call). ``written``: outputs (places in
+        what a call returns; rows of ``in_place_rows``) the caller takes as None when the
+        kernel wrote them, skipping its own write. An executor called from several places
+        keeps what every one of them allowed."""
         allowed = set(inputs) if self._allowed is None else self._allowed & set(inputs)
         self._allowed = allowed
+        self._written = set(written) if self._written is None else self._written & set(written)
         self._granted = {n: i for n, i in self._in_place.items() if i in allowed}
+        returned = [k for k, n in enumerate(self.output_names) if n != OK_OUTPUT]
+        self._skip = {returned[j] for i, (j, _) in self._rows.items()
+                      if i in allowed and j in self._written}
         self._generation += 1  # every thread's binding is made again
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -190,13 +215,17 @@ class OrtExecutor:
             raise RegionDeclined(DECLINED)
         return tuple(outs)
 
-    def _bound(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+    def _bound(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None] | None:
         """One run through this thread's IOBinding: every input bound by pointer (rebound only
         when its address, shape or dtype changed), the granted outputs bound to their inputs'
         memory. None, without running, for an input of a dtype numpy cannot bind (BF16):
         ``session.run`` takes it. A strided input is bound as a contiguous copy: the kernel's
         in-place write then lands in the copy, and the program's own write-back still updates
         the input.
+
+        A row the kernel wrote into a granted input, which the caller agreed to take as None
+        (``grant``'s ``written``), is returned as None: the kernel wrote it, the caller skips
+        its own write. (The first call with new input shapes returns it, as below.)
 
         The other outputs are written into new tensors bound before the run, so a call returns
         them as they are (no copy). Their shapes are learned from the first run with these
@@ -244,9 +273,13 @@ class OrtExecutor:
                 if i == k:
                     b.bind_output(out, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
         if st.outs:
-            outs = [torch.empty(shape, dtype=dtype) for shape, dtype in st.outs]
+            skip = self._skip  # rows the kernel wrote in place: left bound to onnxruntime
+            outs = [None if k in skip else torch.empty(shape, dtype=dtype)
+                    for k, (shape, dtype) in enumerate(st.outs)]
             for name, o, (_, dtype) in zip(self.output_names, outs, st.outs, strict=True):
-                b.bind_output(name, "cpu", 0, _NP_DTYPES[dtype], list(o.shape), o.data_ptr())
+                if o is not None:
+                    b.bind_output(name, "cpu", 0, _NP_DTYPES[dtype], list(o.shape),
+                                  o.data_ptr())
             try:
                 self.session.run_with_iobinding(b)
             except Exception:
@@ -347,19 +380,30 @@ class TieredExecutor:
                 logging.getLogger("fxpass").warning(msg)
             return
         if ex is not None:
-            for inputs in self._grants if hasattr(ex, "grant") else ():
-                ex.grant(inputs)
+            for inputs, written in self._grants:
+                _grant(ex, inputs, written)
             self._ex = self._built = ex
 
     def in_place_inputs(self) -> set[int]:
         """The inputs the tiers can update in place (``OrtExecutor.in_place_inputs``)."""
         return getattr(self._ex, "in_place_inputs", set)()
 
-    def grant(self, inputs: set[int]) -> None:
+    def in_place_rows(self) -> dict[int, tuple[int, int]]:
+        """The rows the tiers write in place (``OrtExecutor.in_place_rows``): one model."""
+        return getattr(self._ex, "in_place_rows", dict)()
+
+    def grant(self, inputs: set[int], written: set[int] = frozenset()) -> None:
         """``OrtExecutor.grant`` for the tier running now, and replayed on the one to come."""
-        self._grants.append(set(inputs))
-        if hasattr(self._ex, "grant"):
-            self._ex.grant(set(inputs))
+        self._grants.append((set(inputs), set(written)))
+        _grant(self._ex, inputs, written)
+
+
+def _grant(ex: Any, inputs: set[int], written: set[int]) -> None:
+    """``ex.grant``: with ``written`` for an executor that declares rows (``in_place_rows``)."""
+    if hasattr(ex, "in_place_rows"):
+        ex.grant(set(inputs), set(written))
+    elif hasattr(ex, "grant"):
+        ex.grant(set(inputs))
 
 
 def _trimmed(build: Callable[[], Any]) -> Any:

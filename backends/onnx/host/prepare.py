@@ -103,6 +103,10 @@ def fuse_for_ort(
             common.RemoveUnusedOpsetsPass(),
         ):
             cleanup(model)
+    if counts.get("decode_attention"):
+        from fxpass.backends.onnx.host.decode_attention import declare_rows
+
+        declare_rows(model)  # last: names the outputs as the session will see them
     fused = ir.to_proto(model)
     # onnxruntime reads at most the IR version it was built for; keep the lowering's.
     fused.ir_version = min(fused.ir_version, proto.ir_version)
