@@ -159,3 +159,20 @@ def test_a_decode_step_fires_it_and_matches_eager(opts):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     (report,) = fxpass.compile_reports()[before:]
     assert sum(r.fusions.get("unit_axes", 0) for r in report.regions) >= 2, str(report)
+
+
+def test_a_chain_back_to_its_own_shape_goes_whole():
+    """Reshape(Reshape(x, [6, 4]), [2, 3, 4]) is x: both go, and the values stay."""
+    x = np.random.default_rng(2).standard_normal((2, 3, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Reshape", ["r", "s1"], ["a"]),       # [6, 4]
+        helper.make_node("Reshape", ["a", "s2"], ["b"]),       # [2, 3, 4]: r's own shape
+        helper.make_node("Neg", ["b"], ["y"]),
+    ]
+    inits = [_shape("s1", [6, 4]), _shape("s2", [2, 3, 4])]
+    values = [_info("r", (2, 3, 4)), _info("a", (6, 4)), _info("b", (2, 3, 4))]
+    proto = _model(nodes, [_info("x", (2, 3, 4))], [_info("y", (2, 3, 4))], values, inits)
+    fused, count, ops = _fused(proto)
+    assert count == 2 and ops == ["Relu", "Neg"]
+    np.testing.assert_array_equal(_run(fused, {"x": x})[0], _run(proto, {"x": x})[0])

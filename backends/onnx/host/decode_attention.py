@@ -28,15 +28,18 @@ in the graph, into one extra output ``fxpass_ok``): ``hit`` has exactly one slot
 past it is masked (False, -inf, or below -1e30 as HF's ``finfo.min`` padding: a weight of
 exactly 0 in both); the slot itself is attended with a moderate value (|v| < 1e30), so no
 row is fully masked; and every other value is masked or moderate (no NaN, no +inf).
-A call that fails the check is *declined*: the executor raises, and the region answers it as
-it answers any executor failure (eagerly through ``torch.compile``; a package, which has no
-eager copy, raises with the reason). NaN and inf in the query or in the slots it reads give
-NaN or inf where eager's do (checked in the tests); a NaN or inf *stored in a slot past the
-position* (never written by generation: caches start zeroed, and a prefill's padding rows
-come from real tokens) makes eager's output NaN and not this one's. And with keys so large
-that a score overflows float32 (|q| * |k| near 3e38), which scores overflow depends on the
-order of the sums, so NaN can land on other outputs than eager's. Those are the two
-differences, and why this fusion needs no finiteness guard over the cache and no ``If``.
+Where ``hit`` has no slot (a position past the cache) or several, the kernel is given the
+cache's length as the position, which it refuses before writing any row: the call raises
+before anything changed. A call that fails the check is *declined*: the executor raises,
+and the region answers it as it answers any executor failure (eagerly through
+``torch.compile``; a package, which has no eager copy, raises with the reason). NaN and
+inf in the query or in the slots it reads give NaN or inf where eager's do (checked in the
+tests); a NaN or inf *stored in a slot past the position* (never written by generation:
+caches start zeroed, and a prefill's padding rows come from real tokens) makes eager's
+output NaN and not this one's. And with keys so large that a score overflows float32
+(|q| * |k| near 3e38), which scores overflow depends on the order of the sums, so NaN can
+land on other outputs than eager's. Those are the two differences, and why this fusion
+needs no finiteness guard over the cache and no ``If``.
 
 The board path never calls this: it is part of
 :func:`fxpass.backends.onnx.host.prepare.fuse_for_ort`.
@@ -109,7 +112,7 @@ def declare_rows(model: ir.Model) -> int:
             present = node.outputs[k]
             if present is None or not present.name.startswith(IN_PLACE):
                 continue
-            out = _graph_output_of(node.inputs[k], node.inputs[k + 2])
+            out = _graph_output_of(node.inputs[k])
             if out is not None:
                 rows[present.name] = [out.name, 2]
     if rows:
@@ -117,9 +120,9 @@ def declare_rows(model: ir.Model) -> int:
     return len(rows)
 
 
-def _graph_output_of(v: ir.Value | None, cache: ir.Value | None) -> ir.Value | None:
+def _graph_output_of(v: ir.Value | None) -> ir.Value | None:
     """A graph output holding ``v``'s elements in order: ``v`` or a value one ``Reshape`` /
-    ``Identity`` / row-write ``Where`` (the row) away from it, up or down, repeatedly."""
+    ``Identity`` away from it, up or down, repeatedly."""
     seen, todo = set(), [v]
     while todo:
         v = todo.pop()
@@ -131,19 +134,10 @@ def _graph_output_of(v: ir.Value | None, cache: ir.Value | None) -> ir.Value | N
         p = v.producer()
         if p is not None and p.domain == "" and p.op_type in ("Reshape", "Identity"):
             todo.append(p.inputs[0])
-        elif p is not None and p.domain == "" and p.op_type == "Where" and _own_row(
-                p.inputs[2], cache):
-            todo.append(p.inputs[1])
         for u in v.consumers():
             if u.domain == "" and u.op_type in ("Reshape", "Identity") and u.inputs[0] is v:
                 todo.append(u.outputs[0])
     return None
-
-
-def _own_row(v: ir.Value | None, cache: ir.Value | None) -> bool:
-    """Whether ``v`` is ``Gather(cache, slot, axis=2)``: ``safe_row``'s fallback row."""
-    g = producer_of(v, "Gather")
-    return g is not None and g.inputs[0] is cache
 
 
 @functools.cache
@@ -273,10 +267,8 @@ class _Builder:
         self.graph = graph
         self.flags: list[ir.Value] = []
         self.consts: dict[str, ir.Value] = {}
-        #: id(hit) -> (seqlens, total, pos, index of its one-slot flag in ``flags``)
-        self.positions: dict[int, tuple[ir.Value, ir.Value, ir.Value, int]] = {}
-        self.hit_of: dict[int, ir.Value] = {}  # id(pos) -> its hit
-        self.slot: dict[int, ir.Value] = {}  # id(pos) -> pos as a 1-element index
+        #: id(hit) -> (seqlens, total, pos)
+        self.positions: dict[int, tuple[ir.Value, ir.Value, ir.Value]] = {}
         self.biases: dict[tuple[int, int], ir.Value] = {}
         self.count = 0
 
@@ -301,7 +293,10 @@ class _Builder:
 
     def position(self, hit: ir.Value, batch: int, first: ir.Node) -> tuple[ir.Value, ...]:
         """(seqlens [B] int32, total scalar int32, pos scalar int64) from ``hit``, and the
-        flag that it has exactly one slot."""
+        flag that it has exactly one slot. Where it has none or several, ``seqlens`` is the
+        cache's length, which the kernel refuses before it writes anything (checked by
+        ``test_a_position_outside_the_cache_writes_nothing_and_is_declined``): no row is
+        written, and the executor declines the call."""
         if id(hit) not in self.positions:
             s = hit.shape[2]
             flat = self.node("Cast", [self.node("Reshape", [hit, self.const(f"s{s}", np.array(
@@ -310,26 +305,15 @@ class _Builder:
                                       self.const("one32", np.array(1, np.int32))], first)
             self.flags.append(one)
             pos = self.node("ArgMax", [flat], first, keepdims=0)                    # int64
-            pos32 = self.node("Cast", [pos], first, to=ir.DataType.INT32.value)
+            pos32 = self.node("Where", [one, self.node("Cast", [pos], first, to=ir.DataType.INT32
+                                                       .value), self.const(f"len{s}", np.array(
+                                                           s, np.int32))], first)
             total = self.node("Add", [pos32, self.const("one32", np.array(1, np.int32))], first)
             seqlens = self.node("Expand", [self.node("Reshape", [pos32, self.const(
                 "one", np.array([1], np.int64))], first), self.const(
                 f"b{batch}", np.array([batch], np.int64))], first)
-            self.positions[id(hit)] = (seqlens, total, pos, len(self.flags) - 1)
-            self.hit_of[id(pos)] = hit
-        return self.positions[id(hit)][:3]
-
-    def safe_row(self, row: ir.Value, cache: ir.Value, pos: ir.Value, first: ir.Node
-                 ) -> ir.Value:
-        """``row``, or where ``hit`` is not one slot (a position outside the cache: the call is
-        declined) the cache's own row at ``pos``: the kernel's in-place write then changes
-        nothing before the executor declines."""
-        one = self.flags[self.positions[id(self.hit_of[id(pos)])][3]]
-        if id(pos) not in self.slot:
-            self.slot[id(pos)] = self.node("Reshape", [pos, self.const(
-                "one", np.array([1], np.int64))], first)
-        own = self.node("Gather", [cache, self.slot[id(pos)]], first, axis=2)
-        return self.node("Where", [one, row, own], first)
+            self.positions[id(hit)] = (seqlens, total, pos)
+        return self.positions[id(hit)]
 
     def bias(self, m: _Match, pos: ir.Value, total: ir.Value, first: ir.Node) -> ir.Value:
         """The additive mask over slots 0..pos, 4-D; its checks go into ``flags``."""
@@ -379,20 +363,25 @@ class _Builder:
         bias = self.bias(m, pos, total, branch)
 
         def flat(x: ir.Value, heads: int) -> ir.Value:
-            return self.node("Reshape", [x, self.const(f"f{b}_{heads * d}", np.array(
-                [b, 1, heads * d], np.int64))], branch)
+            return typed(self.node("Reshape", [x, self.const(f"f{b}_{heads * d}", np.array(
+                [b, 1, heads * d], np.int64))], branch), x, (b, 1, heads * d))
+
+        def typed(v: ir.Value, like: ir.Value, shape: tuple[int, ...]) -> ir.Value:
+            # a static shape lets unit_axes merge the reshapes around the kernel
+            v.shape, v.type = ir.Shape(shape), like.type
+            return v
 
         scale = m.attn.attributes.get("scale")
         scale = float(scale.value) if scale is not None else 1.0 / math.sqrt(d)
         caches = (m.wk.inputs[2], m.wv.inputs[2])
         in_place = [_in_place_ok(c, m.wk.inputs[0]) and not any(
             o.name == IN_PLACE + c.name for o in self.graph.outputs) for c in caches]
-        rows = [self.safe_row(w.inputs[1], c, pos, branch) if ok else w.inputs[1]
-                for w, c, ok in zip((m.wk, m.wv), caches, in_place, strict=True)]
+        rows = [w.inputs[1] for w in (m.wk, m.wv)]
         out = self.node("GroupQueryAttention", [
             flat(q, h), flat(rows[0], hk), flat(rows[1], hk), *caches, seqlens, total, None,
             None, None, bias], branch, domain=DOMAIN, outputs=3, num_heads=h, kv_num_heads=hk,
             scale=scale)
+        typed(out, q, (b, 1, h * d))
         for cache, present, ok in zip(caches, out.producer().outputs[1:], in_place, strict=True):
             if ok:  # the kernel may write the row into the cache itself (``OrtExecutor.grant``)
                 present.name = IN_PLACE + cache.name

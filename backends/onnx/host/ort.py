@@ -203,12 +203,21 @@ class OrtExecutor:
         self._generation += 1  # every thread's binding is made again
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs = self._bound(tensors) if self._granted else None
-        if outs is None:
-            feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
-            if self._static:
-                feeds.update(self._static)
-            outs = [_tensor(o) for o in self.session.run(self.output_names, feeds)]
+        try:
+            outs = self._bound(tensors) if self._granted else None
+            if outs is None:
+                feeds = {name: _np(t) for name, t in zip(self.input_names, tensors, strict=True)}
+                if self._static:
+                    feeds.update(self._static)
+                outs = [_tensor(o) for o in self.session.run(self.output_names, feeds)]
+        except Exception as e:
+            # the fused decode attention's position past the cache, refused by the kernel
+            # before it wrote anything (``host.decode_attention.position``)
+            if self._ok is not None and "seqlens_k" in str(e):
+                from fxpass.backends.onnx.host.decode_attention import DECLINED
+
+                raise RegionDeclined(DECLINED) from e
+            raise
         if self._ok is not None and not outs.pop(self._ok):
             from fxpass.backends.onnx.host.decode_attention import DECLINED
 

@@ -84,6 +84,10 @@ def fuse_unit_axes(model: ir.Model) -> int:
         if not inner.outputs[0].uses() and id(inner.outputs[0]) not in outputs:
             graph.remove(inner, safe=True)
             count += 1
+        if static_shape(node.inputs[0]) == dst and id(out) not in outputs:  # back where it was
+            out.replace_all_uses_with(node.inputs[0])
+            graph.remove(node, safe=True)
+            count += 1
     return count
 
 
