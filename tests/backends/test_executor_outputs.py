@@ -10,10 +10,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from fxpass.backends.onnx.host.ort import IN_PLACE, OrtExecutor
+from fxpass.backends.onnx.host.ort import IN_PLACE, ROWS_KEY, OrtExecutor
 
 
-def _executor(nonzero: bool = False) -> OrtExecutor:
+def _executor(nonzero: bool = False, rows: bool = False) -> OrtExecutor:
     """``cache`` (updated in place: + 1) and ``x`` -> ``relu(x)`` (or ``NonZero(x)``, whose
     shape follows the values of ``x``)."""
     cache = helper.make_tensor_value_info("cache", TensorProto.FLOAT, [4])
@@ -30,9 +30,15 @@ def _executor(nonzero: bool = False) -> OrtExecutor:
         [node, helper.make_node("Add", ["cache", "one"], [IN_PLACE + "cache"])], "g",
         [cache, x], [y, updated], [one])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    if rows:  # as if ``y`` were the row the kernel writes into ``cache`` (declare_rows)
+        helper.set_model_props(model, {ROWS_KEY: f'{{"{IN_PLACE}cache": ["y", 0]}}'})
     ex = OrtExecutor(model.SerializeToString(), ["cache", "x"])
     assert ex.in_place_inputs() == {0}
-    ex.grant({0})
+    if rows:
+        assert ex.in_place_rows() == {0: (0, 0)}
+        ex.grant({0}, {0})
+    else:
+        ex.grant({0})
     return ex
 
 
@@ -78,3 +84,18 @@ def test_an_output_shape_that_follows_values_raises_once_then_runs_unbound():
     for x in (x3, x2, x3):
         (y,) = ex(cache, x)
         assert y.tolist() == [np.nonzero(x.numpy())[0].tolist()]
+
+
+def test_a_row_written_into_a_copy_of_a_strided_input_is_returned():
+    """A strided cache is bound as a contiguous copy, so the kernel's row lands in the copy:
+    the row must come back for the caller's own write (found in review)."""
+    ex = _executor(rows=True)
+    x = torch.randn(4)
+    cache = torch.zeros(4)
+    for _ in range(2):
+        (y,) = ex(cache, x)
+    assert y is None  # written in place, left out
+    strided = torch.zeros(8)[::2]
+    (y,) = ex(strided, x)
+    assert y is not None
+    torch.testing.assert_close(y, torch.relu(x), rtol=0, atol=0)

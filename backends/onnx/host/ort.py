@@ -173,7 +173,11 @@ class OrtExecutor:
                       for n, (out, axis) in rows.items()
                       if n in self._in_place and out in returned}
         self._written: set[int] | None = None  # the rows every caller lets this leave out
-        self._skip: set[int] = set()  # ... of the inputs granted: places in output_names
+        # onnxruntime leaves a bound buffer untouched for an output that is a graph input
+        feeds = {i.name for i in self.session.get_inputs()} | {
+            i.name for i in self.session.get_overridable_initializers()}
+        self._bindable = not feeds & set(self.output_names)
+        self._skip: dict[int, int] = {}  # ... of the inputs granted (``grant``)
         self._local = threading.local()  # a binding per thread (``_bound``)
         self._generation = 0
 
@@ -198,7 +202,8 @@ class OrtExecutor:
         self._written = set(written) if self._written is None else self._written & set(written)
         self._granted = {n: i for n, i in self._in_place.items() if i in allowed}
         returned = [k for k, n in enumerate(self.output_names) if n != OK_OUTPUT]
-        self._skip = {returned[j] for i, (j, _) in self._rows.items()
+        #: output (place in output_names) -> the input its kernel wrote it into
+        self._skip = {returned[j]: i for i, (j, _) in self._rows.items()
                       if i in allowed and j in self._written}
         self._generation += 1  # every thread's binding is made again
 
@@ -212,8 +217,10 @@ class OrtExecutor:
                 outs = [_tensor(o) for o in self.session.run(self.output_names, feeds)]
         except Exception as e:
             # the fused decode attention's position past the cache, refused by the kernel
-            # before it wrote anything (``host.decode_attention.position``)
-            if self._ok is not None and "seqlens_k" in str(e):
+            # before it wrote anything (``host.decode_attention.position``): onnxruntime
+            # names the position or the length it implies
+            if self._ok is not None and "GroupQueryAttention" in str(e) and (
+                    "seqlens_k" in str(e) or "total_sequence_length" in str(e)):
                 from fxpass.backends.onnx.host.decode_attention import DECLINED
 
                 raise RegionDeclined(DECLINED) from e
@@ -262,10 +269,12 @@ class OrtExecutor:
                 b.bind_output(name, "cpu")
         last, shapes = st.last, st.shapes
         keep = []  # contiguous copies of non-contiguous inputs, alive through the run
+        copied = set()  # ... their places: a row written into a copy is returned after all
         for k, (name, t) in enumerate(zip(self.input_names, tensors, strict=True)):
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
+                copied.add(k)
             key = (t.data_ptr(), t.shape, t.dtype)
             if last.get(name) == key:
                 continue
@@ -283,16 +292,17 @@ class OrtExecutor:
                     b.bind_output(out, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
         if st.outs:
             skip = self._skip  # rows the kernel wrote in place: left bound to onnxruntime
-            outs = [None if k in skip else torch.empty(shape, dtype=dtype)
-                    for k, (shape, dtype) in enumerate(st.outs)]
+            outs = [None if k in skip and skip[k] not in copied else torch.empty(
+                shape, dtype=dtype) for k, (shape, dtype) in enumerate(st.outs)]
             for name, o, (_, dtype) in zip(self.output_names, outs, st.outs, strict=True):
                 if o is not None:
                     b.bind_output(name, "cpu", 0, _NP_DTYPES[dtype], list(o.shape),
                                   o.data_ptr())
             try:
                 self.session.run_with_iobinding(b)
-            except Exception:
-                st.outs = False  # never again on this binding (a value-dependent shape)
+            except Exception as e:
+                if "pre-allocated" in str(e):  # a shape that follows values: never bind again
+                    st.outs = False
                 raise
             return outs
         for name in self.output_names:  # onnxruntime allocates (an output it allocated for
@@ -301,7 +311,7 @@ class OrtExecutor:
         values = b.get_outputs()[:len(self.output_names)]  # bound first, in model order
         outs = [torch.from_numpy(v.numpy()).clone() for v in values]
         if st.outs is None:
-            st.outs = [(o.shape, o.dtype) for o in outs] if all(
+            st.outs = [(o.shape, o.dtype) for o in outs] if self._bindable and all(
                 o.dtype in _NP_DTYPES and o.numel() for o in outs) else False
         return outs
 
