@@ -167,7 +167,9 @@ class OrtExecutor:
         self._granted: dict[str, int] = {}
         self._allowed: set[int] | None = None  # what every caller granted (None: none asked)
         rows = json.loads(self.session.get_modelmeta().custom_metadata_map.get(ROWS_KEY, "{}"))
-        returned = [n for n in self.output_names if n != OK_OUTPUT]
+        #: place in what a call returns -> place in output_names (``OK_OUTPUT`` is popped)
+        self._returned = [k for k, n in enumerate(self.output_names) if n != OK_OUTPUT]
+        returned = [self.output_names[k] for k in self._returned]
         #: input -> (its row's place among the returned outputs, axis) (``in_place_rows``)
         self._rows = {self._in_place[n]: (returned.index(out), axis)
                       for n, (out, axis) in rows.items()
@@ -201,9 +203,8 @@ class OrtExecutor:
         self._allowed = allowed
         self._written = set(written) if self._written is None else self._written & set(written)
         self._granted = {n: i for n, i in self._in_place.items() if i in allowed}
-        returned = [k for k, n in enumerate(self.output_names) if n != OK_OUTPUT]
         #: output (place in output_names) -> the input its kernel wrote it into
-        self._skip = {returned[j]: i for i, (j, _) in self._rows.items()
+        self._skip = {self._returned[j]: i for i, (j, _) in self._rows.items()
                       if i in allowed and j in self._written}
         self._generation += 1  # every thread's binding is made again
 
