@@ -150,6 +150,7 @@ def compile_weight_only(rg: Region, ctx: Context, cfg: W.WeightOnly) -> Compiled
     fusions = {**fusions, f"matmul_nbits_{cfg.name}": summary["matmul_nbits"],
                "matmul_nbits_kernels": summary["kernels"],
                "gather_block_quantized": summary["gather_block_quantized"],
+               "shared_tables": summary["shared_tables"],
                **{f"kept_float ({why})": n for why, n in summary["kept_float"].items()}}
     kept = None
     if ctx.keep:

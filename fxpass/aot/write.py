@@ -30,6 +30,7 @@ from fxpass.aot.package import (
     ALIGN,
     FORMAT,
     MANIFEST,
+    PAGE,
     WEIGHTS,
     PackageError,
     _file_digest,
@@ -74,8 +75,8 @@ class _WeightsFile:
         key = (a.nbytes, h.hexdigest())
         if key in self.seen:
             return self.seen[key]
-        if a.nbytes >= ALIGN and self.offset % ALIGN:
-            pad = ALIGN - self.offset % ALIGN
+        if a.nbytes >= ALIGN and self.offset % PAGE:
+            pad = PAGE - self.offset % PAGE
             self.f.write(bytes(pad))
             self.offset += pad
         self.f.write(raw)

@@ -215,6 +215,7 @@ def test_a_tied_embedding_is_stored_in_int4_blocks(opts, q, tied, tables):
     assert _cosine(got, want) >= FLOORS[q]
     fusions = fxpass.compile_reports()[-1].regions[0].fusions
     assert fusions.get("gather_block_quantized") == tables, fusions
+    assert fusions.get("shared_tables") == tables, fusions  # one copy of the blocks
     kept = {k: v for k, v in fusions.items() if "tied embedding" in k}
     assert sum(kept.values()) == (1 if tied and not tables else 0), fusions
     if tables:  # a bad id still raises eager's error through the quantized lookup
@@ -222,3 +223,92 @@ def test_a_tied_embedding_is_stored_in_int4_blocks(opts, q, tied, tables):
         bad["input_ids"][0, 0] = -1
         with pytest.raises(IndexError), torch.no_grad():
             c(**bad)
+
+
+
+def _tied_onnx(rows: int, cols: int, head=None):
+    """A region's tied lookup and LM head as ONNX: Gather(table) and MatMul(., table.T)
+    (``head``: another matrix for the MatMul, an untied model)."""
+    import numpy as np
+    from onnx import helper as h
+
+    table = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    head = table if head is None else head
+    graph = h.make_graph(
+        [h.make_node("Gather", ["table", "ids"], ["e"], name="lookup"),
+         h.make_node("MatMul", ["e", "head"], ["y"], name="lm_head")], "tied",
+        [h.make_tensor_value_info("ids", onnx.TensorProto.INT64, [rows])],
+        [h.make_tensor_value_info("e", onnx.TensorProto.FLOAT, None),
+         h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(table, "table"),
+         onnx.numpy_helper.from_array(np.ascontiguousarray(head.T), "head")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model, table
+
+
+def _run_onnx(model, rows):
+    import numpy as np
+    import onnxruntime as ort
+
+    ids = np.arange(rows, dtype=np.int64)[::-1].copy()  # every row
+    return ort.InferenceSession(model.SerializeToString()).run(["e", "y"], {"ids": ids})
+
+
+INT4 = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
+
+
+@pytest.mark.parametrize(("cols", "block", "symmetric"), [
+    (576, 32, True), (576, 128, True),  # 576 = 4.5 blocks of 128: rows padded, sliced back
+    (512, 128, False), (576, 32, False)])  # asymmetric: zero points shared too
+def test_a_tied_table_shares_the_lm_heads_blocks(monkeypatch, cols, block, symmetric):
+    """The lookup reads the LM head's int4 blocks (one copy, as GenAI's builder stores them).
+    A symmetric table looks up what its own copy gave, bit for bit, on every row; an
+    asymmetric one too, but for the quantizer's rounding ties (a code one step off)."""
+    import numpy as np
+
+    rows = 300
+    model, table = _tied_onnx(rows, cols)
+    cfg = weight_only.resolve("w4", block_size=block, symmetric=symmetric)
+    shared, summary = weight_only.quantize_model(onnx.ModelProto.FromString(
+        model.SerializeToString()), cfg)
+    monkeypatch.setattr(weight_only, "share_tied_tables", lambda m: 0)
+    apart, _ = weight_only.quantize_model(model, cfg)
+    assert summary["shared_tables"] == 1 and summary["gather_block_quantized"] == 1
+    assert not [t.name for t in shared.graph.initializer if t.data_type in INT4]
+    assert [t.name for t in apart.graph.initializer if t.data_type in INT4]  # the copy
+    assert shared.ByteSize() < 0.6 * apart.ByteSize()
+    (e, y), (e0, y0) = _run_onnx(shared, rows), _run_onnx(apart, rows)
+    assert np.array_equal(y, y0)  # the LM head is untouched
+    # one int4 step of a block: at most its range / 15 (asymmetric) or max / 7 (symmetric)
+    step = 2 * np.abs(table).max() / 7
+    if symmetric:
+        assert np.array_equal(e, e0)
+    else:
+        assert np.abs(e - e0).max() <= step
+    assert np.abs(e - table[::-1]).max() <= step  # still the table, within int4 rounding
+
+
+def test_a_table_is_shared_only_with_its_own_blocks(monkeypatch):
+    """The check is the codes, not the shapes: an untied head of the same shape keeps the
+    table float (GenAI's choice for an untied lookup), and blocks that differ by more than
+    a rounding tie are not read by the lookup."""
+    import numpy as np
+
+    head = np.random.default_rng(1).standard_normal((300, 512)).astype(np.float32)
+    _, summary = weight_only.quantize_model(_tied_onnx(300, 512, head=head)[0],
+                                            weight_only.resolve("w4"))
+    assert summary["shared_tables"] == 0 and summary["gather_block_quantized"] == 0
+    monkeypatch.setattr(weight_only, "share_tied_tables", lambda m: 0)
+    q, _ = weight_only.quantize_model(_tied_onnx(300, 512)[0], weight_only.resolve("w4"))
+    monkeypatch.undo()
+    blocks = next(n for n in q.graph.node if n.op_type == "MatMulNBits").input[1]
+    t = next(t for t in q.graph.initializer if t.name == blocks)
+    raw = bytearray(t.raw_data)
+    raw[7] ^= 0x88  # two codes 8 steps away
+    t.raw_data = bytes(raw)
+    assert weight_only.share_tied_tables(q) == 0
+    assert [t.name for t in q.graph.initializer if t.data_type in INT4]
+    raw[7] ^= 0x88  # put back: shared
+    t.raw_data = bytes(raw)
+    assert weight_only.share_tied_tables(q) == 1
