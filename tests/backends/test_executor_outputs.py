@@ -10,7 +10,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from fxpass.backends.onnx.host.ort import IN_PLACE, ROWS_KEY, OrtExecutor
+from fxpass.backends.onnx.host import ort
+from fxpass.backends.onnx.host.ort import IN_PLACE, OK_OUTPUT, ROWS_KEY, OrtExecutor, RegionDeclined
 
 
 def _executor(nonzero: bool = False, rows: bool = False) -> OrtExecutor:
@@ -42,7 +43,15 @@ def _executor(nonzero: bool = False, rows: bool = False) -> OrtExecutor:
     return ex
 
 
-def test_outputs_of_one_call_survive_the_next_and_the_cache_updates_in_place():
+@pytest.fixture(params=["C binding", "wrapper"])
+def binding(request, monkeypatch):
+    """Both ways ``_Binding`` binds: straight to onnxruntime's C object, and through its Python
+    wrapper (an onnxruntime without the private attributes)."""
+    monkeypatch.setattr(ort._Binding, "fast", request.param == "C binding")
+    return request.param
+
+
+def test_outputs_of_one_call_survive_the_next_and_the_cache_updates_in_place(binding):
     ex = _executor()
     cache = torch.zeros(4)
     got = []
@@ -99,3 +108,35 @@ def test_a_row_written_into_a_copy_of_a_strided_input_is_returned():
     (y,) = ex(strided, x)
     assert y is not None
     torch.testing.assert_close(y, torch.relu(x), rtol=0, atol=0)
+
+
+def test_the_check_flag_is_read_afresh_on_every_call(binding):
+    """The model's own exactness flag (``fxpass_ok``) lands in one buffer bound once: a call
+    that fails the check after calls that passed is still declined, and one after it runs."""
+    cache = helper.make_tensor_value_info("cache", TensorProto.FLOAT, [4])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]),
+         helper.make_node("ReduceMin", ["x"], ["low"], keepdims=0),
+         helper.make_node("Less", ["low", "zero"], ["negative"]),
+         helper.make_node("Not", ["negative"], [OK_OUTPUT]),
+         helper.make_node("Add", ["cache", "zero"], [IN_PLACE + "cache"])], "g", [cache, x],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info(OK_OUTPUT, TensorProto.BOOL, []),
+         helper.make_tensor_value_info(IN_PLACE + "cache", TensorProto.FLOAT, [4])], [zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    ex = OrtExecutor(model.SerializeToString(), ["cache", "x"])
+    ex.grant({0})
+    cache = torch.zeros(4)
+    for k, sign in enumerate([1, 1, 1, -1, 1, -1, -1, 1]):
+        x = torch.tensor([1.0, 2.0, 3.0]) * sign + k
+        if (x < 0).any():
+            with pytest.raises(RegionDeclined):
+                ex(cache, x)
+        else:
+            (y,) = ex(cache, x)
+            torch.testing.assert_close(y, torch.relu(x), rtol=0, atol=0)
+    assert isinstance(ex._local.outs, list) and ex._local.kept  # the flag's buffer was bound
+    fast = ex._local.binding.bind_input == ex._local.binding.py._iobinding.bind_input
+    assert fast == (binding == "C binding")

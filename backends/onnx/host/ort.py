@@ -5,6 +5,7 @@ session while the prepacked one builds in the background."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -258,16 +259,16 @@ class OrtExecutor:
         st = self._local
         b = getattr(st, "binding", None)
         if b is None or st.generation != self._generation:
-            b = st.binding = self.session.io_binding()
-            st.last, st.shapes, st.outs = {}, {}, None
+            b = st.binding = _Binding(self.session)
+            st.last, st.shapes, st.outs, st.kept = {}, {}, None, {}
             st.generation = self._generation
             for name, value in self._static.items():  # numpy views, or BF16 OrtValues
                 if isinstance(value, np.ndarray):
-                    b.bind_cpu_input(name, value)
+                    b.py.bind_cpu_input(name, value)
                 else:
-                    b.bind_ortvalue_input(name, value)
+                    b.py.bind_ortvalue_input(name, value)
             for name in self.output_names:  # first: get_outputs() lists them in this order
-                b.bind_output(name, "cpu")
+                b.py.bind_output(name, "cpu")
         last, shapes = st.last, st.shapes
         keep = []  # contiguous copies of non-contiguous inputs, alive through the run
         copied = set()  # ... their places: a row written into a copy is returned after all
@@ -286,35 +287,74 @@ class OrtExecutor:
                 shapes[name] = key[1:]
                 if st.outs:  # other output shapes, maybe: learn them again
                     st.outs = None  # (False stays: that binding never binds its outputs)
-            b.bind_input(name, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
+            b.bind_input(name, b.cpu, _NP_DTYPES[t.dtype], shape, t.data_ptr())
             last[name] = None if keep and keep[-1] is t else key  # a copy: rebind next time
             for out, i in self._granted.items():
                 if i == k:
-                    b.bind_output(out, "cpu", 0, _NP_DTYPES[t.dtype], shape, t.data_ptr())
+                    b.bind_output(out, b.cpu, _NP_DTYPES[t.dtype], shape, t.data_ptr())
         if st.outs:
-            skip = self._skip  # rows the kernel wrote in place: left bound to onnxruntime
-            outs = [None if k in skip and skip[k] not in copied else torch.empty(
-                shape, dtype=dtype) for k, (shape, dtype) in enumerate(st.outs)]
-            for name, o, (_, dtype) in zip(self.output_names, outs, st.outs, strict=True):
-                if o is not None:
-                    b.bind_output(name, "cpu", 0, _NP_DTYPES[dtype], list(o.shape),
-                                  o.data_ptr())
+            skip, kept = self._skip, st.kept  # rows the kernel wrote in place: left bound
+            outs = [None if k in skip and skip[k] not in copied else kept.get(k) for k in
+                    range(len(st.outs))]  # the check's flag: one buffer, read in __call__
+            for k, (name, (shape, dtype)) in enumerate(zip(self.output_names, st.outs,
+                                                           strict=True)):
+                if k in kept or (k in skip and skip[k] not in copied):
+                    continue
+                o = outs[k] = torch.empty(shape, dtype=dtype)
+                b.bind_output(name, b.cpu, _NP_DTYPES[dtype], list(shape), o.data_ptr())
             try:
-                self.session.run_with_iobinding(b)
+                b.run()
             except Exception as e:
                 if "pre-allocated" in str(e):  # a shape that follows values: never bind again
                     st.outs = False
                 raise
             return outs
         for name in self.output_names:  # onnxruntime allocates (an output it allocated for
-            b.bind_output(name, "cpu")  # the last run would be taken as bound otherwise)
-        self.session.run_with_iobinding(b)
-        values = b.get_outputs()[:len(self.output_names)]  # bound first, in model order
+            b.py.bind_output(name, "cpu")  # the last run would be taken as bound otherwise)
+        b.run()
+        values = b.py.get_outputs()[:len(self.output_names)]  # bound first, in model order
         outs = [torch.from_numpy(v.numpy()).clone() for v in values]
         if st.outs is None:
             st.outs = [(o.shape, o.dtype) for o in outs] if self._bindable and all(
                 o.dtype in _NP_DTYPES and o.numel() for o in outs) else False
+            st.kept = {}
+            if st.outs and self._ok is not None:  # read and dropped by every call: bound once
+                ok = st.kept[self._ok] = torch.empty(outs[self._ok].shape, dtype=torch.bool)
+                b.bind_output(OK_OUTPUT, b.cpu, np.bool_, list(ok.shape), ok.data_ptr())
         return outs
+
+
+class _Binding:
+    """An onnxruntime ``IOBinding`` whose per-call binds and run go straight to its C object.
+
+    Why: the Python wrapper makes a device object for every bind and checks WebGPU graph
+    capture on every run: about 2 us a call warm, and several times that in a decode step,
+    where each call follows a run that left the CPU's caches full of weights (binding a step's
+    inputs and outputs took 140 us of a 1.1 ms int4 step of Qwen3 4 x 512, measured in place).
+    An onnxruntime without those private attributes gets the wrapper's own methods (so does
+    every binding with ``fast`` False)."""
+
+    fast = True
+
+    def __init__(self, session: Any):
+        self.py = b = session.io_binding()
+        c, sess = getattr(b, "_iobinding", None), getattr(session, "_sess", None)
+        try:
+            from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+            cpu = OrtDevice.make("cpu", 0)._get_c_device()
+        except Exception:  # noqa: BLE001 - another onnxruntime: the wrapper's path
+            c = None
+        if not self.fast or c is None or sess is None or getattr(b, "_is_webgpu_session", False):
+            self.cpu = "cpu"  # (name, device, dtype, shape, pointer), as the C methods take
+            self.bind_input = lambda n, _, dtype, shape, ptr: b.bind_input(n, "cpu", 0, dtype,
+                                                                           shape, ptr)
+            self.bind_output = lambda n, _, dtype, shape, ptr: b.bind_output(n, "cpu", 0, dtype,
+                                                                             shape, ptr)
+            self.run = functools.partial(session.run_with_iobinding, b)
+            return
+        self.cpu, self.bind_input, self.bind_output = cpu, c.bind_input, c.bind_output
+        self.run = functools.partial(sess.run_with_iobinding, c, None)
 
 
 class TieredExecutor:
