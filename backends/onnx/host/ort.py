@@ -166,6 +166,7 @@ class OrtExecutor:
         self._in_place = {n: input_names.index(n[len(IN_PLACE):]) for n in names
                           if n.startswith(IN_PLACE) and n[len(IN_PLACE):] in input_names}
         self._granted: dict[str, int] = {}
+        self._granted_at: dict[int, list[str]] = {}
         self._allowed: set[int] | None = None  # what every caller granted (None: none asked)
         rows = json.loads(self.session.get_modelmeta().custom_metadata_map.get(ROWS_KEY, "{}"))
         #: place in what a call returns -> place in output_names (``OK_OUTPUT`` is popped)
@@ -204,6 +205,10 @@ class OrtExecutor:
         self._allowed = allowed
         self._written = set(written) if self._written is None else self._written & set(written)
         self._granted = {n: i for n, i in self._in_place.items() if i in allowed}
+        #: input place -> the in-place outputs bound to its memory
+        self._granted_at: dict[int, list[str]] = {}
+        for n, i in self._granted.items():
+            self._granted_at.setdefault(i, []).append(n)
         #: output (place in output_names) -> the input its kernel wrote it into
         self._skip = {self._returned[j]: i for i, (j, _) in self._rows.items()
                       if i in allowed and j in self._written}
@@ -289,19 +294,14 @@ class OrtExecutor:
                     st.outs = None  # (False stays: that binding never binds its outputs)
             b.bind_input(name, b.cpu, _NP_DTYPES[t.dtype], shape, t.data_ptr())
             last[name] = None if keep and keep[-1] is t else key  # a copy: rebind next time
-            for out, i in self._granted.items():
-                if i == k:
-                    b.bind_output(out, b.cpu, _NP_DTYPES[t.dtype], shape, t.data_ptr())
+            for out in self._granted_at.get(k, ()):
+                b.bind_output(out, b.cpu, _NP_DTYPES[t.dtype], shape, t.data_ptr())
         if st.outs:
-            skip, kept = self._skip, st.kept  # rows the kernel wrote in place: left bound
-            outs = [None if k in skip and skip[k] not in copied else kept.get(k) for k in
-                    range(len(st.outs))]  # the check's flag: one buffer, read in __call__
-            for k, (name, (shape, dtype)) in enumerate(zip(self.output_names, st.outs,
-                                                           strict=True)):
-                if k in kept or (k in skip and skip[k] not in copied):
-                    continue
+            outs = list(st.template)  # the flag's buffer; None for rows written in place
+            for k, name, shape, dtype, np_dtype in (self._fresh(st, copied) if copied
+                                                    else st.fresh):
                 o = outs[k] = torch.empty(shape, dtype=dtype)
-                b.bind_output(name, b.cpu, _NP_DTYPES[dtype], list(shape), o.data_ptr())
+                b.bind_output(name, b.cpu, np_dtype, shape, o.data_ptr())
             try:
                 b.run()
             except Exception as e:
@@ -321,7 +321,19 @@ class OrtExecutor:
             if st.outs and self._ok is not None:  # read and dropped by every call: bound once
                 ok = st.kept[self._ok] = torch.empty(outs[self._ok].shape, dtype=torch.bool)
                 b.bind_output(OK_OUTPUT, b.cpu, np.bool_, list(ok.shape), ok.data_ptr())
+            if st.outs:
+                st.template = [st.kept.get(k) for k in range(len(st.outs))]
+                st.fresh = self._fresh(st, set())
         return outs
+
+    def _fresh(self, st: Any, copied: set[int]) -> list[tuple[int, str, list[int], Any, Any]]:
+        """The outputs a bound call writes into new tensors: (place, name, shape, dtype, numpy
+        dtype). Not the check's flag (one buffer), nor a row the kernel wrote into its granted
+        input, unless that input was bound as a contiguous copy (``copied``)."""
+        skip = self._skip
+        return [(k, name, list(shape), dtype, _NP_DTYPES[dtype]) for k, (name, (shape, dtype))
+                in enumerate(zip(self.output_names, st.outs, strict=True))
+                if k not in st.kept and not (k in skip and skip[k] not in copied)]
 
 
 class _Binding:
