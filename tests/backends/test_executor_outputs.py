@@ -10,7 +10,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from fxpass.backends.onnx.host import ort
+from fxpass.backends.onnx.host import binding as binding_mod
 from fxpass.backends.onnx.host.ort import IN_PLACE, OK_OUTPUT, ROWS_KEY, OrtExecutor, RegionDeclined
 
 
@@ -45,9 +45,9 @@ def _executor(nonzero: bool = False, rows: bool = False) -> OrtExecutor:
 
 @pytest.fixture(params=["C binding", "wrapper"])
 def binding(request, monkeypatch):
-    """Both ways ``_Binding`` binds: straight to onnxruntime's C object, and through its Python
+    """Both ways ``Binding`` binds: straight to onnxruntime's C object, and through its Python
     wrapper (an onnxruntime without the private attributes)."""
-    monkeypatch.setattr(ort._Binding, "fast", request.param == "C binding")
+    monkeypatch.setattr(binding_mod.Binding, "fast", request.param == "C binding")
     return request.param
 
 

@@ -5,7 +5,6 @@ session while the prepacked one builds in the background."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fxpass.backends.onnx.host.binding import Binding
 from fxpass.jit.runtime import as_numpy as _np
 from fxpass.jit.runtime import as_tensor as _tensor
 from fxpass.jit.runtime import malloc_trim as _malloc_trim
@@ -264,7 +264,7 @@ class OrtExecutor:
         st = self._local
         b = getattr(st, "binding", None)
         if b is None or st.generation != self._generation:
-            b = st.binding = _Binding(self.session)
+            b = st.binding = Binding(self.session)
             st.last, st.shapes, st.outs, st.kept = {}, {}, None, {}
             st.generation = self._generation
             for name, value in self._static.items():  # numpy views, or BF16 OrtValues
@@ -334,39 +334,6 @@ class OrtExecutor:
         return [(k, name, list(shape), dtype, _NP_DTYPES[dtype]) for k, (name, (shape, dtype))
                 in enumerate(zip(self.output_names, st.outs, strict=True))
                 if k not in st.kept and not (k in skip and skip[k] not in copied)]
-
-
-class _Binding:
-    """An onnxruntime ``IOBinding`` whose per-call binds and run go straight to its C object.
-
-    Why: the Python wrapper makes a device object for every bind and checks WebGPU graph
-    capture on every run: about 2 us a call warm, and several times that in a decode step,
-    where each call follows a run that left the CPU's caches full of weights (binding a step's
-    inputs and outputs took 140 us of a 1.1 ms int4 step of Qwen3 4 x 512, measured in place).
-    An onnxruntime without those private attributes gets the wrapper's own methods (so does
-    every binding with ``fast`` False)."""
-
-    fast = True
-
-    def __init__(self, session: Any):
-        self.py = b = session.io_binding()
-        c, sess = getattr(b, "_iobinding", None), getattr(session, "_sess", None)
-        try:
-            from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
-
-            cpu = OrtDevice.make("cpu", 0)._get_c_device()
-        except Exception:  # noqa: BLE001 - another onnxruntime: the wrapper's path
-            c = None
-        if not self.fast or c is None or sess is None or getattr(b, "_is_webgpu_session", False):
-            self.cpu = "cpu"  # (name, device, dtype, shape, pointer), as the C methods take
-            self.bind_input = lambda n, _, dtype, shape, ptr: b.bind_input(n, "cpu", 0, dtype,
-                                                                           shape, ptr)
-            self.bind_output = lambda n, _, dtype, shape, ptr: b.bind_output(n, "cpu", 0, dtype,
-                                                                             shape, ptr)
-            self.run = functools.partial(session.run_with_iobinding, b)
-            return
-        self.cpu, self.bind_input, self.bind_output = cpu, c.bind_input, c.bind_output
-        self.run = functools.partial(sess.run_with_iobinding, c, None)
 
 
 class TieredExecutor:
