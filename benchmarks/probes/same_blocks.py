@@ -1,6 +1,6 @@
 """Are the w4 package's int4 weights GenAI int4's, block for block?
 
-    python -m benchmarks.probes.same_blocks [--models smollm2,qwen3-4x512] [--block 32]
+    python -m benchmarks.probes.same_blocks [--models smollm2,qwen3-4x512] [--blocks 32,128]
 
 For each model: a ``quantize="w4"`` package (``benchmarks.weight_only``'s export) and GenAI's
 ``-p int4`` build of the same weights. Every output column of every ``MatMulNBits`` in each
@@ -82,9 +82,9 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,qwen3-4x512,llama-4x512")
-    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--blocks", default="32,128")
     args = ap.parse_args(argv)
-    rows = [compare(m, args.block) for m in args.models.split(",")]
+    rows = [compare(m, int(b)) for b in args.blocks.split(",") for m in args.models.split(",")]
     out = ROOT / "benchmarks" / "probes" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "same_blocks.json").write_text(json.dumps(rows, indent=1) + "\n")
