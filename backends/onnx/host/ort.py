@@ -205,10 +205,10 @@ class OrtExecutor:
         self._allowed = allowed
         self._written = set(written) if self._written is None else self._written & set(written)
         self._granted = {n: i for n, i in self._in_place.items() if i in allowed}
-        #: input place -> the in-place outputs bound to its memory
-        self._granted_at: dict[int, list[str]] = {}
+        at: dict[int, list[str]] = {}  # built whole, then published: calls may be running
         for n, i in self._granted.items():
-            self._granted_at.setdefault(i, []).append(n)
+            at.setdefault(i, []).append(n)
+        self._granted_at = at  # input place -> the in-place outputs bound to its memory
         #: output (place in output_names) -> the input its kernel wrote it into
         self._skip = {self._returned[j]: i for i, (j, _) in self._rows.items()
                       if i in allowed and j in self._written}
@@ -297,11 +297,16 @@ class OrtExecutor:
             for out in self._granted_at.get(k, ()):
                 b.bind_output(out, b.cpu, _NP_DTYPES[t.dtype], shape, t.data_ptr())
         if st.outs:
+            # a row bound to a tensor returned by an earlier call (its input was copied
+            # then): onnxruntime allocates it again, or this run would write into that tensor
+            for name in st.lent:
+                b.py.bind_output(name, "cpu")
             outs = list(st.template)  # the flag's buffer; None for rows written in place
-            for k, name, shape, dtype, np_dtype in (self._fresh(st, copied) if copied
-                                                    else st.fresh):
+            fresh = self._fresh(st, copied) if copied else st.fresh
+            for k, name, shape, dtype, np_dtype in fresh:
                 o = outs[k] = torch.empty(shape, dtype=dtype)
                 b.bind_output(name, b.cpu, np_dtype, shape, o.data_ptr())
+            st.lent = [name for _, name, *_ in fresh if name not in st.fresh_names]
             try:
                 b.run()
             except Exception as e:
@@ -324,6 +329,8 @@ class OrtExecutor:
             if st.outs:
                 st.template = [st.kept.get(k) for k in range(len(st.outs))]
                 st.fresh = self._fresh(st, set())
+                st.fresh_names = {name for _, name, *_ in st.fresh}
+                st.lent = []
         return outs
 
     def _fresh(self, st: Any, copied: set[int]) -> list[tuple[int, str, list[int], Any, Any]]:
