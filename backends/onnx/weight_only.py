@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from fxpass.backends.onnx import tied_tables
 from fxpass.backends.onnx.quantize import QuantizationError
 
 #: ``quantize`` values for weight-only quantization, and their bit widths
@@ -252,7 +253,7 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
             f"the rest would silently stay float. Set quantize=None for this model, or report "
             "it with the region's ONNX model")
     _check_ids(out)
-    shared = share_tied_tables(out)
+    shared = tied_tables.share_tied_tables(out)
     out.ir_version = min(out.ir_version, model.ir_version)
     summary = {"config": cfg.name, "matmul_nbits": weights, "kernels": done, "kept_float": kept,
                "gather_block_quantized": tables, "shared_tables": shared,
@@ -282,104 +283,6 @@ def _check_ids(model: onnx.ModelProto) -> None:
         model.graph.node.insert(at, onnx.helper.make_node(
             "Gather", [zeros.name, node.input[1]], [checked], name=f"{node.name}_bounds",
             axis=0))
-
-
-def _codes(packed: np.ndarray, cols: int) -> np.ndarray:
-    """``MatMulNBits``' packed 4-bit blocks ``[N, blocks, bytes]`` (or its packed zero points
-    ``[N, bytes]``) -> the codes ``[N, cols]``, low nibble first (onnxruntime's layout)."""
-    flat = packed.reshape(packed.shape[0], -1)
-    return np.stack([flat & 15, flat >> 4], axis=-1).reshape(flat.shape[0], -1)[:, :cols]
-
-
-def share_tied_tables(model: onnx.ModelProto) -> int:
-    """Make each ``GatherBlockQuantized`` over the same int4 blocks as some ``MatMulNBits``
-    (an embedding tied to the LM head) read that kernel's blocks, scales and zero points, and
-    drop its own copy. Returns how many tables were shared.
-
-    Why: onnxruntime's quantizer quantizes the table and the LM head each on its own, so a
-    tied model stored the same blocks twice (SmolLM2-135M: 0.20x of its fp32 size against
-    GenAI's 0.17x, whose builder shares them). Nothing is packed here: the quantizer wrote
-    both, and they are shared only when their scales and zero points are equal and their codes
-    are too, but for a rounding tie the quantizer's two paths may break apart (a code one step
-    off; then the lookup reads the LM head's rounding). ``GatherBlockQuantized`` reads
-    ``MatMulNBits``' uint8 blocks through a ``Reshape`` (a view in onnxruntime); a row padded
-    to whole blocks is sliced back."""
-    inits = _initializers(model.graph)
-    arr = {}
-
-    def value(name: str) -> np.ndarray | None:
-        if name not in inits:
-            return None
-        if name not in arr:
-            arr[name] = onnx.numpy_helper.to_array(inits[name])
-        return arr[name]
-
-    def attrs(node: onnx.NodeProto) -> dict[str, Any]:
-        return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-    heads = [n for n in model.graph.node if n.op_type == "MatMulNBits"
-             and attrs(n).get("bits") == 4 and all(value(i) is not None for i in n.input[1:])]
-    shared = 0
-    for node in [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]:
-        a = attrs(node)
-        data = value(node.input[0])
-        if (data is None or data.ndim != 2 or a.get("gather_axis", 0) != 0
-                or a.get("quantize_axis", 1) != 1 or len(node.input) < 3):
-            continue
-        zp = value(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-        rows, cols = data.shape
-        for head in heads:
-            h = attrs(head)
-            if (h["N"], h["K"], h["block_size"]) != (rows, cols, a.get("block_size", 128)):
-                continue
-            hzp = value(head.input[3]) if len(head.input) > 3 and head.input[3] else None
-            codes = _codes(value(head.input[1]), cols).astype(np.int16)
-            blocks = value(head.input[2]).size // rows
-            if (zp is None) != (hzp is None) or not np.array_equal(
-                    value(head.input[2]).reshape(rows, -1), value(node.input[2])):
-                continue
-            # symmetric: int4 codes against MatMulNBits' implicit zero point 8
-            diff = codes - (8 if zp is None else 0) - data.astype(np.int16)
-            # the quantizer's two paths (C++ for a MatMul, numpy for a Gather) may break a
-            # rounding tie apart: a code one step off, in a few elements of a table
-            same = diff.size and np.abs(diff).max() <= 1 and (zp is None or np.array_equal(
-                _codes(hzp, blocks), zp.astype(np.int16)))
-            if same:
-                _read_head(model, node, head, cols)
-                shared += 1
-                break
-    if shared:
-        _drop_unused(model)
-    return shared
-
-
-def _read_head(model: onnx.ModelProto, node: onnx.NodeProto, head: onnx.NodeProto,
-               cols: int) -> None:
-    """Point ``node`` (a ``GatherBlockQuantized``) at ``head``'s (a ``MatMulNBits``) blocks."""
-    blocks = next(t for t in model.graph.initializer if t.name == head.input[1])
-    rows, width = int(blocks.dims[0]), int(np.prod(blocks.dims[1:]))
-    shape = onnx.numpy_helper.from_array(np.array([rows, width], np.int64),
-                                         f"{node.name}_shared_shape")
-    model.graph.initializer.append(shape)
-    at = list(model.graph.node).index(node)
-    model.graph.node.insert(at, onnx.helper.make_node(
-        "Reshape", [head.input[1], shape.name], [f"{node.name}_shared"],
-        name=f"{node.name}_shared"))
-    node.input[0] = f"{node.name}_shared"
-    node.input[2] = head.input[2]
-    if len(node.input) > 3 and node.input[3]:
-        node.input[3] = head.input[3]
-    for x in [x for x in node.attribute if x.name == "bits"]:
-        node.attribute.remove(x)
-    node.attribute.append(onnx.helper.make_attribute("bits", 4))
-    if width * 2 != cols:  # rows padded to whole blocks: slice the padding off
-        out = node.output[0]
-        node.output[0] = f"{out}_padded"
-        parts = [f"{node.name}_unpad_{k}" for k in ("starts", "ends", "axes")]
-        model.graph.initializer.extend(onnx.numpy_helper.from_array(np.array([v], np.int64), p)
-                                       for v, p in zip((0, cols, -1), parts, strict=True))
-        model.graph.node.insert(list(model.graph.node).index(node) + 1, onnx.helper.make_node(
-            "Slice", [node.output[0], *parts], [out], name=f"{node.name}_unpad"))
 
 
 def _quantizer() -> Any:

@@ -18,7 +18,7 @@ import torch
 import fxpass
 from fxpass.aot.export import export_for_generate
 from fxpass.backends.bpu import load
-from fxpass.backends.onnx import weight_only
+from fxpass.backends.onnx import tied_tables, weight_only
 from fxpass.tools import zoo
 from tests.backends.test_export import _fresh_process
 
@@ -260,7 +260,8 @@ INT4 = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
 
 @pytest.mark.parametrize(("cols", "block", "symmetric"), [
     (576, 32, True), (576, 128, True),  # 576 = 4.5 blocks of 128: rows padded, sliced back
-    (512, 128, False), (576, 32, False)])  # asymmetric: zero points shared too
+    (512, 128, False), (576, 32, False),  # asymmetric: zero points shared too
+    (576, 128, False)])  # ... with an odd number of blocks per row (zero points padded)
 def test_a_tied_table_shares_the_lm_heads_blocks(monkeypatch, cols, block, symmetric):
     """The lookup reads the LM head's int4 blocks (one copy, as GenAI's builder stores them).
     A symmetric table looks up what its own copy gave, bit for bit, on every row; an
@@ -272,7 +273,7 @@ def test_a_tied_table_shares_the_lm_heads_blocks(monkeypatch, cols, block, symme
     cfg = weight_only.resolve("w4", block_size=block, symmetric=symmetric)
     shared, summary = weight_only.quantize_model(onnx.ModelProto.FromString(
         model.SerializeToString()), cfg)
-    monkeypatch.setattr(weight_only, "share_tied_tables", lambda m: 0)
+    monkeypatch.setattr(tied_tables, "share_tied_tables", lambda m: 0)
     apart, _ = weight_only.quantize_model(model, cfg)
     assert summary["shared_tables"] == 1 and summary["gather_block_quantized"] == 1
     assert not [t.name for t in shared.graph.initializer if t.data_type in INT4]
@@ -299,16 +300,21 @@ def test_a_table_is_shared_only_with_its_own_blocks(monkeypatch):
     _, summary = weight_only.quantize_model(_tied_onnx(300, 512, head=head)[0],
                                             weight_only.resolve("w4"))
     assert summary["shared_tables"] == 0 and summary["gather_block_quantized"] == 0
-    monkeypatch.setattr(weight_only, "share_tied_tables", lambda m: 0)
+    monkeypatch.setattr(tied_tables, "share_tied_tables", lambda m: 0)
     q, _ = weight_only.quantize_model(_tied_onnx(300, 512)[0], weight_only.resolve("w4"))
     monkeypatch.undo()
-    blocks = next(n for n in q.graph.node if n.op_type == "MatMulNBits").input[1]
-    t = next(t for t in q.graph.initializer if t.name == blocks)
+    inits = {t.name: t for t in q.graph.initializer}
+    gather = next(n for n in q.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in q.graph.node if n.op_type == "MatMulNBits")
+    assert tied_tables._same_lookups(gather, head, inits)  # what onnxruntime reads agrees
+    t = inits[head.input[1]]
     raw = bytearray(t.raw_data)
     raw[7] ^= 0x88  # two codes 8 steps away
     t.raw_data = bytes(raw)
-    assert weight_only.share_tied_tables(q) == 0
+    assert not tied_tables._same_values(gather, head, inits)
+    assert not tied_tables._same_lookups(gather, head, inits)  # onnxruntime sees it too
+    assert tied_tables.share_tied_tables(q) == 0
     assert [t.name for t in q.graph.initializer if t.data_type in INT4]
     raw[7] ^= 0x88  # put back: shared
     t.raw_data = bytes(raw)
-    assert weight_only.share_tied_tables(q) == 1
+    assert tied_tables.share_tied_tables(q) == 1

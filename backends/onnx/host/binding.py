@@ -10,8 +10,8 @@ class Binding:
     """An onnxruntime ``IOBinding`` whose per-call binds and run go straight to its C object.
 
     Why: the Python wrapper makes a device object for every bind and checks WebGPU graph
-    capture on every run: about 2 us a call warm, and several times that in a decode step,
-    where each call follows a run that left the CPU's caches full of weights; a decode step
+    capture on every run: about 2 us a call warm, and more in a decode step, where each call
+    follows a run that left the CPU's caches full of weights; a decode step
     binds its token, its position's inputs and its logits every time. An onnxruntime
     without those private attributes gets the wrapper's own methods (so does every binding
     with ``fast`` False)."""

@@ -140,7 +140,9 @@ def _slots(model: onnx.ModelProto, weights: Weights) -> Iterator[tuple[onnx.Tens
 
 
 #: Offsets of externally written weights of this size or more are multiples of it: onnxruntime
-#: maps a weight whose offset is page-aligned straight from the file instead of reading it.
+#: maps a weight straight from the file (at any offset on Linux; 64 KiB is the allocation
+#: granularity a mapping needs on Windows). These files are the artifact cache's, where a few
+#: percent of padding costs nothing; a package pads to a page only (``aot.package.PAGE``).
 EXTERNAL_ALIGN = 64 * 1024
 
 
