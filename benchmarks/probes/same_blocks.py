@@ -49,7 +49,7 @@ def _package_columns(path: Path) -> Counter[str]:
     for f in sorted(path.glob("region_*.onnx")):
         m = onnx.load(str(f), load_external_data=False)
         onnx.external_data_helper.load_external_data_for_model(m, str(path))
-        out.update(columns(m))
+        out |= columns(m)  # prefill and decode regions hold the same matrices: count once
     return out
 
 
