@@ -32,7 +32,7 @@ SAMPLE_ROWS = 64
 
 def share_tied_tables(model: onnx.ModelProto) -> int:
     """Point every tied ``GatherBlockQuantized`` of ``model`` at its LM head's blocks (module
-    doc); returns how many were."""
+    doc); returns how many were. Their own blocks are left unread, for the caller to drop."""
     gathers = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     if not gathers:
         return 0
@@ -46,10 +46,6 @@ def share_tied_tables(model: onnx.ModelProto) -> int:
         if head is not None:
             _read_head(model, node, head, int(inits[node.input[0]].dims[1]))
             shared += 1
-    if shared:
-        from fxpass.backends.onnx.weight_only import _drop_unused
-
-        _drop_unused(model)
     return shared
 
 
@@ -95,7 +91,8 @@ def _same_values(node: onnx.NodeProto, head: onnx.NodeProto,
 
 
 def _shared_nodes(node: onnx.NodeProto, head: onnx.NodeProto, blocks: onnx.TensorProto,
-                  cols: int, out: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+                  cols: int, ids: str, out: str
+                  ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The nodes (and their constants) that give ``node``'s lookup into ``out`` from
     ``head``'s blocks: Reshape, GatherBlockQuantized over uint8, and a Slice if padded."""
     rows, width = int(blocks.dims[0]), int(np.prod(blocks.dims[1:]))
@@ -108,7 +105,7 @@ def _shared_nodes(node: onnx.NodeProto, head: onnx.NodeProto, blocks: onnx.Tenso
     nodes = [onnx.helper.make_node("Reshape", [head.input[1], f"{p}_shape"], [f"{p}_blocks"],
                                    name=f"{p}_blocks"),
              onnx.helper.make_node("GatherBlockQuantized", [
-                 f"{p}_blocks", node.input[1], head.input[2], *([zp] if zp else [])],
+                 f"{p}_blocks", ids, head.input[2], *([zp] if zp else [])],
                  [f"{p}_padded" if padded else out], name=p, domain=node.domain, **attrs)]
     if padded:
         nodes.append(onnx.helper.make_node("Slice", [f"{p}_padded", *(
@@ -127,8 +124,7 @@ def _same_lookups(node: onnx.NodeProto, head: onnx.NodeProto,
     ids = np.unique(np.linspace(0, rows - 1, SAMPLE_ROWS).astype(np.int64))
     own = onnx.helper.make_node(node.op_type, [node.input[0], "ids", *node.input[2:]], ["own"],
                                 domain=node.domain, **_attrs(node))
-    nodes, consts = _shared_nodes(node, head, inits[head.input[1]], cols, "shared")
-    nodes[1].input[1] = "ids"
+    nodes, consts = _shared_nodes(node, head, inits[head.input[1]], cols, "ids", "shared")
     used = {i for n in [own, *nodes] for i in n.input} - {"ids"}
     graph = onnx.helper.make_graph(
         [own, *nodes], "tied", [onnx.helper.make_tensor_value_info(
@@ -157,7 +153,7 @@ def _read_head(model: onnx.ModelProto, node: onnx.NodeProto, head: onnx.NodeProt
                cols: int) -> None:
     """Replace ``node`` (a ``GatherBlockQuantized``) by the lookup of ``head``'s blocks."""
     blocks = next(t for t in model.graph.initializer if t.name == head.input[1])
-    nodes, consts = _shared_nodes(node, head, blocks, cols, node.output[0])
+    nodes, consts = _shared_nodes(node, head, blocks, cols, node.input[1], node.output[0])
     model.graph.initializer.extend(consts)
     at = list(model.graph.node).index(node)
     model.graph.node.remove(node)

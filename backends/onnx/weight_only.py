@@ -254,6 +254,8 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
             "it with the region's ONNX model")
     _check_ids(out)
     shared = tied_tables.share_tied_tables(out)
+    if shared:
+        _drop_unused(out)  # the tables' own blocks
     out.ir_version = min(out.ir_version, model.ir_version)
     summary = {"config": cfg.name, "matmul_nbits": weights, "kernels": done, "kept_float": kept,
                "gather_block_quantized": tables, "shared_tables": shared,

@@ -65,8 +65,8 @@ WEIGHTS = "weights.bin"
 ALIGN = 64 * 1024
 #: Why a page and not 64 KiB (onnx's Windows-minded default): onnxruntime maps an external
 #: weight at any offset (it maps from the page below; checked on Linux with onnxruntime
-#: 1.31), and 64 KiB boundaries padded a package of small int4 weights by 9% (SmolLM2-135M
-#: w4: 8 MB of zeros in 93 MB)
+#: 1.31), and a 64 KiB boundary pads each tensor by up to 64 KiB, which is several percent of
+#: an int4 package whose tensors are mostly well under a megabyte
 PAGE = 4096
 _DTYPES = {str(d): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,

@@ -306,7 +306,7 @@ class OrtExecutor:
             for k, name, shape, dtype, np_dtype in fresh:
                 o = outs[k] = torch.empty(shape, dtype=dtype)
                 b.bind_output(name, b.cpu, np_dtype, shape, o.data_ptr())
-            st.lent = [name for _, name, *_ in fresh if name not in st.fresh_names]
+            st.lent = [name for k, name, *_ in fresh if k in self._skip] if copied else []
             try:
                 b.run()
             except Exception as e:
@@ -329,7 +329,6 @@ class OrtExecutor:
             if st.outs:
                 st.template = [st.kept.get(k) for k in range(len(st.outs))]
                 st.fresh = self._fresh(st, set())
-                st.fresh_names = {name for _, name, *_ in st.fresh}
                 st.lent = []
         return outs
 
