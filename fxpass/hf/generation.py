@@ -38,6 +38,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxpass.graph import FROZEN
+from fxpass.hf.inputs import UNSTEPPED, StepInputs, generic, stepping
 from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
 from fxpass.hf.steps import MODES as STEP_GUARDS
 from fxpass.hf.steps import Owner, StepGuards
@@ -160,7 +161,12 @@ def compile_for_generate(
     model.forward = _step_counters_symbolic(compiled, forward, state)
     setattr(model.forward, OWNER, owner)
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
-    model.generate = _loop_on_threads(generate, state, prefill)
+    inputs = StepInputs()
+    model.generate = _loop_on_threads(generate, state, prefill, inputs)
+    prepare = model.prepare_inputs_for_generation
+    prepare = getattr(prepare, UNSTEPPED, prepare)
+    if generic(model):
+        model.prepare_inputs_for_generation = stepping(prepare, inputs)
     _spell_out_masks(model, state)
     return model
 
@@ -224,21 +230,33 @@ class _GenerateState(threading.local):
         self.forwards = 0  # forward calls that returned in the running generate()
 
 
-def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillChunks) -> Callable:
+def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillChunks,
+                     inputs: StepInputs | None = None) -> Callable:
     """``generate`` that runs HF's loop on ``loop.threads`` torch threads (between the model's
     forward calls, which get the caller's count back) and restores the caller's count when it
-    returns or raises; that tells the forward which prompt length runs compiled
+    returns or raises; that steps the decode inputs of its own calls (``inputs``,
+    ``fxpass.hf.inputs``); that tells the forward which prompt length runs compiled
     (``prefill.PrefillChunks``); and that runs a call again without chunks when HF's chunked
     prefill fails before its last prefill call returned."""
 
     @functools.wraps(generate, updated=())
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if loop.depth:  # nested in a generate() (an assistant's): the outer one's settings
-            return generate(*args, **kwargs)
+            active = inputs is not None and inputs.active
+            if active:  # but HF's own inputs: the stepped ones are the outer call's
+                inputs.active = False
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                if active:
+                    inputs.active = True
         model = getattr(generate, "__self__", None)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
         loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
         loop.steps.start()
+        if inputs is not None:
+            inputs.start()
+            inputs.active = True
         if loop.threads is not None:
             loop.caller = torch.get_num_threads()
         try:
@@ -261,6 +279,9 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
                 torch.set_num_threads(loop.caller)
             loop.caller = loop.prefill = None
             loop.depth -= 1
+            if inputs is not None:
+                inputs.active = False
+                inputs.start()  # drop the last step's tensors
 
     setattr(wrapper, UNCOMPILED, generate)
     return wrapper

@@ -1,0 +1,83 @@
+"""Stepped decode inputs (``fxpass.hf.inputs``) against HF's own, A/B in one process.
+
+    python -m benchmarks.probes.step_inputs [--rounds 21] [--tokens 64]
+
+One Qwen3 4 x 512 fp32 model under ``compile_for_generate(device="ort")``. Each round generates
+with the model's ``prepare_inputs_for_generation`` stepping and then HF's (the order
+alternating) and times the decode: (t(1 + N) - t(1)) / N. Reported: the median ms/token of each
+and the median of the paired ratios. Tokens must be equal.
+Writes ``benchmarks/probes/results/step_inputs.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(rounds: int, tokens: int) -> dict:
+    from benchmarks.generate import _build
+    from fxpass.backends.bpu import settle
+    from fxpass.hf import inputs
+    from fxpass.hf.generation import compile_for_generate
+
+    model, ids = _build("qwen3-4x512")
+    compile_for_generate(model, max_cache_len=ids.shape[1] + tokens + 8, device="ort")
+    stepping = model.prepare_inputs_for_generation
+    prepare = {True: stepping, False: getattr(stepping, inputs.UNSTEPPED)}
+
+    def gen(n: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    gen(tokens + 1)
+    settle()
+    per: dict[bool, list[float]] = {True: [], False: []}
+    out = {}
+    before = inputs.COUNTS["stepped"]
+    for r in range(rounds):
+        for step in ((True, False) if r % 2 else (False, True)):
+            model.prepare_inputs_for_generation = prepare[step]
+            gen(2)
+            t = time.perf_counter()
+            gen(1)
+            one = time.perf_counter() - t
+            t = time.perf_counter()
+            out[step] = gen(tokens + 1)
+            per[step].append((time.perf_counter() - t - one) / tokens * 1e3)
+    model.prepare_inputs_for_generation = stepping
+    ratios = [a / b for a, b in zip(per[True], per[False], strict=True)]
+    return {"model": "qwen3-4x512 fp32, compile_for_generate(device='ort')", "rounds": rounds,
+            "tokens": tokens, "stepped_ms_per_token": statistics.median(per[True]),
+            "hf_ms_per_token": statistics.median(per[False]),
+            "paired_ratio": statistics.median(ratios),
+            "stepped_inputs": inputs.COUNTS["stepped"] - before,
+            "tokens_equal": bool(torch.equal(out[True], out[False]))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    r = run(args.rounds, args.tokens)
+    md = ("| model | stepped ms/token | HF's ms/token | paired ratio | stepped inputs | "
+          "tokens equal |\n|---|---|---|---|---|---|\n"
+          f"| {r['model']} | {r['stepped_ms_per_token']:.3f} | {r['hf_ms_per_token']:.3f}"
+          f" | {r['paired_ratio']:.3f}x | {r['stepped_inputs']} | {r['tokens_equal']} |\n")
+    out = ROOT / "benchmarks" / "probes" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_inputs.json").write_text(json.dumps(r, indent=1) + "\n")
+    (out / "step_inputs.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
