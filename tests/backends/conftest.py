@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -12,6 +14,18 @@ def _fresh_dynamo():
     COMPILE_REPORTS.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _threads_of_earlier_tests():
+    """Vouch for the threads earlier tests left alive (importing openvino starts a thread
+    pool worker that idles for good): none calls a compiled function, and a test that counts
+    generate()'s trusted steps (``fxpass.hf.steps.alone``) must see only its own threads."""
+    from fxpass.hf.steps import ignore_thread
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread():
+            ignore_thread(t)
 
 
 @pytest.fixture
