@@ -11,9 +11,7 @@ Writes ``benchmarks/probes/results/binding.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.probes import paired_cli
 
 
 def run(rounds: int, tokens: int) -> dict:
@@ -63,20 +61,11 @@ def run(rounds: int, tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=41)
-    ap.add_argument("--tokens", type=int, default=128)
-    args = ap.parse_args(argv)
-    r = run(args.rounds, args.tokens)
-    md = ("| package | C binding ms/token | wrapper ms/token | paired ratio | tokens equal |\n"
-          "|---|---|---|---|---|\n"
-          f"| {r['model']} | {r['c_binding_ms_per_token']:.3f} | {r['wrapper_ms_per_token']:.3f}"
-          f" | {r['paired_ratio']:.2f}x | {r['tokens_equal']} |\n")
-    out = ROOT / "benchmarks" / "probes" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "binding.json").write_text(json.dumps(r, indent=1) + "\n")
-    (out / "binding.md").write_text(md)
-    print(md)
+    paired_cli(__doc__, run, "binding", [
+        ("package", "model", ""), ("C binding ms/token", "c_binding_ms_per_token", ".3f"),
+        ("wrapper ms/token", "wrapper_ms_per_token", ".3f"),
+        ("paired ratio", "paired_ratio", ".2fx"), ("tokens equal", "tokens_equal", "")],
+        rounds=41, tokens=128, argv=argv)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,12 @@ Writes ``benchmarks/probes/results/step_inputs.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.probes import paired_cli
 
 
 def run(rounds: int, tokens: int) -> dict:
@@ -63,20 +60,11 @@ def run(rounds: int, tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=21)
-    ap.add_argument("--tokens", type=int, default=64)
-    args = ap.parse_args(argv)
-    r = run(args.rounds, args.tokens)
-    md = ("| model | stepped ms/token | HF's ms/token | paired ratio | stepped inputs | "
-          "tokens equal |\n|---|---|---|---|---|---|\n"
-          f"| {r['model']} | {r['stepped_ms_per_token']:.3f} | {r['hf_ms_per_token']:.3f}"
-          f" | {r['paired_ratio']:.3f}x | {r['stepped_inputs']} | {r['tokens_equal']} |\n")
-    out = ROOT / "benchmarks" / "probes" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_inputs.json").write_text(json.dumps(r, indent=1) + "\n")
-    (out / "step_inputs.md").write_text(md)
-    print(md)
+    paired_cli(__doc__, run, "step_inputs", [
+        ("model", "model", ""), ("stepped ms/token", "stepped_ms_per_token", ".3f"),
+        ("HF's ms/token", "hf_ms_per_token", ".3f"), ("paired ratio", "paired_ratio", ".3fx"),
+        ("stepped inputs", "stepped_inputs", ""), ("tokens equal", "tokens_equal", "")],
+        rounds=21, tokens=64, argv=argv)
 
 
 if __name__ == "__main__":
