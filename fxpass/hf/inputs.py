@@ -7,10 +7,11 @@ parameters, and builds the 4-D attention mask through the mask functions, about 
 calls. On a compiled Qwen3 4 x 512 that is 0.29 ms of a 5.2 ms step, run right after the region
 has streamed the weights through the caches. The package's runner pays none of it.
 
-A decode step over a static cache with full causal attention needs only two new values: the
-last token's id, and a mask that lets the query see every cached position the 2-D attention
-mask keeps (``mask[b, 0, 0, j] = attention_mask[b, j]`` for the ``n`` positions written,
-False for the cache slots after them). :class:`StepInputs` builds exactly that and reuses every
+A decode step over a static cache with full causal attention needs only three new values:
+the last token's id, its position (when HF passes positions), and a mask that lets the query
+see every cached position the 2-D attention mask keeps (``mask[b, 0, 0, j] =
+attention_mask[b, j]`` for the ``n`` positions written, all of them without a 2-D mask, False
+for the cache slots after them). :class:`StepInputs` builds exactly that and reuses every
 other value of the step before (the cache object, the flags).
 
 When it applies, all of these hold, else HF's function runs:
@@ -27,9 +28,10 @@ When it applies, all of these hold, else HF's function runs:
   attention mask is 2-D with one column per id, and every other argument is the same object.
 
 The first stepped decode of every ``generate()`` call is checked against HF's own answer:
-same keys, equal ids and masks, the same other values. A difference turns stepping off for
-this model (:attr:`StepInputs.off` says why) and HF's answer is used, so a transformers whose
-mask functions change gives its own inputs, never ours.
+same keys, equal ids, positions and masks (dtype, shape, strides, values), the same other
+values. A difference turns stepping off for this model on this thread (:attr:`StepInputs.off`
+says why) and HF's answer is used, so a transformers whose mask functions change gives its
+own inputs, never ours.
 """
 
 from __future__ import annotations
