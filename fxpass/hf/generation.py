@@ -38,7 +38,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxpass.graph import FROZEN
-from fxpass.hf.inputs import UNSTEPPED, StepInputs, generic, stepping
+from fxpass.hf.inputs import UNSTEPPED, StepInputs, can_step, stepping
 from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
 from fxpass.hf.steps import MODES as STEP_GUARDS
 from fxpass.hf.steps import Owner, StepGuards
@@ -163,12 +163,31 @@ def compile_for_generate(
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
     inputs = StepInputs()
     model.generate = _loop_on_threads(generate, state, prefill, inputs)
-    prepare = model.prepare_inputs_for_generation
-    prepare = getattr(prepare, UNSTEPPED, prepare)
-    if generic(model):
-        model.prepare_inputs_for_generation = stepping(prepare, inputs)
     _spell_out_masks(model, state)
+    _unstep(model)  # an earlier compile's stepping, on its own StepInputs
+    if can_step(model, _own_masks):
+        model.prepare_inputs_for_generation = stepping(model.prepare_inputs_for_generation,
+                                                       inputs)
     return model
+
+
+def _unstep(model: Any) -> None:
+    """Undo the stepping of ``model``'s ``prepare_inputs_for_generation`` (``fxpass.hf.inputs``)
+    an earlier ``compile_for_generate`` installed: back to the class's method, or to the
+    instance function it wrapped."""
+    hf = getattr(vars(model).get("prepare_inputs_for_generation"), UNSTEPPED, None)
+    if hf is None:
+        return
+    if getattr(hf, "__func__", None) is getattr(type(model), "prepare_inputs_for_generation",
+                                                None) and getattr(hf, "__self__", None) is model:
+        del model.prepare_inputs_for_generation
+    else:
+        model.prepare_inputs_for_generation = hf
+
+
+def _own_masks(fn: Any) -> bool:
+    """Whether ``fn`` (a model's instance ``create_masks_for_generate``) is fxpass's own."""
+    return fn in _SPELLED_OUT
 
 
 def _spell_out_masks(model: Any, state: _GenerateState) -> None:
@@ -231,7 +250,7 @@ class _GenerateState(threading.local):
 
 
 def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillChunks,
-                     inputs: StepInputs | None = None) -> Callable:
+                     inputs: StepInputs) -> Callable:
     """``generate`` that runs HF's loop on ``loop.threads`` torch threads (between the model's
     forward calls, which get the caller's count back) and restores the caller's count when it
     returns or raises; that steps the decode inputs of its own calls (``inputs``,
@@ -242,7 +261,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
     @functools.wraps(generate, updated=())
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if loop.depth:  # nested in a generate() (an assistant's): the outer one's settings
-            active = inputs is not None and inputs.active
+            active = inputs.active
             if active:  # but HF's own inputs: the stepped ones are the outer call's
                 inputs.active = False
             try:
@@ -251,12 +270,13 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
                 if active:
                     inputs.active = True
         model = getattr(generate, "__self__", None)
+        # read per call: a config or mask function changed since compile counts
+        steps_inputs = model is not None and can_step(model, _own_masks)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
         loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
         loop.steps.start()
-        if inputs is not None:
-            inputs.start()
-            inputs.active = True
+        inputs.start()
+        inputs.active = steps_inputs
         if loop.threads is not None:
             loop.caller = torch.get_num_threads()
         try:
@@ -269,6 +289,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
                     raise
                 del kwargs["prefill_chunk_size"]
                 loop.prefill = None
+                inputs.start()
                 out = generate(*args, **kwargs)  # raising too: the caller's error after all
                 prefill.give_up(model, e)
                 return out
@@ -279,9 +300,8 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
                 torch.set_num_threads(loop.caller)
             loop.caller = loop.prefill = None
             loop.depth -= 1
-            if inputs is not None:
-                inputs.active = False
-                inputs.start()  # drop the last step's tensors
+            inputs.active = False
+            inputs.start()  # drop the last step's tensors
 
     setattr(wrapper, UNCOMPILED, generate)
     return wrapper

@@ -18,9 +18,10 @@ When it applies, all of these hold, else HF's function runs:
 
 - the call is inside ``compile_for_generate``'s ``generate()`` (not nested in another), after
   a decode step HF prepared itself in the same call;
-- the model uses HF's generic ``prepare_inputs_for_generation`` and no mask function of its own,
-  and its config says every layer attends to every earlier position (no sliding window, no
-  chunked attention);
+- the model uses HF's generic ``prepare_inputs_for_generation`` and mask function (none of its
+  own, on its class or set on the instance), SDPA's boolean masks, and its config says every
+  layer attends to every earlier position (no sliding window, no chunked attention), as read at
+  the start of each ``generate()`` call (:func:`can_step`);
 - HF's mask was a boolean ``[B, 1, 1, max_cache_len]`` tensor, alone or as the only entry
   (``full_attention``) of a dict, equal to the closed form above: sliding-window, chunked and
   additive (eager-attention) masks never step;
@@ -46,16 +47,17 @@ import torch
 
 #: the only mask key a stepped input may carry (HF's name for full causal attention)
 FULL = "full_attention"
-#: the arguments a step rebuilds from (the 2-D mask, the positions HF slices to the last one)
-#: or checks by identity (the cache); every other argument must be the same object each step
-STEPPED = ("attention_mask", "past_key_values", "position_ids")
-#: the values a step builds; every other value of HF's dict is an argument passed through
-BUILT = ("input_ids", "position_ids", "attention_mask")
+#: the arguments that change or are checked apart each step: the 2-D mask and the positions
+#: (read), the cache (the same object); every other argument must be the same object each step
+PER_STEP_ARGS = ("attention_mask", "past_key_values", "position_ids")
+#: the values of HF's dict a step builds; every other value is an argument passed through
+BUILT_KEYS = ("input_ids", "position_ids", "attention_mask")
 #: the attribute of a stepping ``prepare_inputs_for_generation`` that holds HF's own
 UNSTEPPED = "_fxpass_unstepped"
 
 
 #: decode inputs stepped, checked against HF's, and found different, in this process
+#: (diagnostics for tests and probes; threads update it without a lock)
 COUNTS: Counter[str] = Counter()
 
 
@@ -82,7 +84,7 @@ class StepInputs(threading.local):
         """The inputs for ``hf(input_ids, **kwargs)``: stepped when that is exact, else HF's."""
         stepped = self._step(input_ids, kwargs) if self.last is not None else None
         if stepped is not None and self.checked and not self.check_all:
-            self._keep(stepped, input_ids, kwargs)
+            self.last, self.ids = stepped, input_ids.shape[1]  # the same cache and arguments
             COUNTS["stepped"] += 1
             return stepped
         out = hf(input_ids, **kwargs)
@@ -104,7 +106,7 @@ class StepInputs(threading.local):
     def _keep(self, out: dict, input_ids: torch.Tensor, kwargs: dict) -> None:
         self.last, self.ids = out, input_ids.shape[1]
         self.cache = kwargs.get("past_key_values")
-        self.passed = {k: v for k, v in kwargs.items() if k not in STEPPED}
+        self.passed = {k: v for k, v in kwargs.items() if k not in PER_STEP_ARGS}
 
     def _step(self, input_ids: torch.Tensor, kwargs: dict) -> dict | None:
         """The next step's inputs from the last, or None when anything it assumes has moved."""
@@ -112,13 +114,11 @@ class StepInputs(threading.local):
         mask2d = kwargs.get("attention_mask")
         if (n != self.ids + 1 or kwargs.get("past_key_values") is not self.cache
                 or not _full_width(mask2d, input_ids)
-                or kwargs.keys() - set(STEPPED) != self.passed.keys()
-                or any(kwargs[k] is not v for k, v in self.passed.items())):
+                or kwargs.keys() - set(PER_STEP_ARGS) != self.passed.keys()
+                or any(kwargs[k] is not v for k, v in self.passed.items())
+                or not _positions_fit(self.last, kwargs, n)):
             return None
         positions = kwargs.get("position_ids")
-        if ("position_ids" in self.last) != (positions is not None) or (
-                positions is not None and positions.shape[-1] != n):
-            return None
         last = self.last["attention_mask"]
         old = last[FULL] if isinstance(last, dict) else last
         if n > old.shape[-1]:  # past the cache: HF's error
@@ -136,16 +136,15 @@ def _steppable(out: dict, input_ids: torch.Tensor, kwargs: dict) -> bool:
     """Whether HF's decode inputs ``out`` have the form :meth:`StepInputs._step` rebuilds."""
     if kwargs.get("next_sequence_length") != 1 or kwargs.get("is_first_iteration"):
         return False
-    if kwargs.get("inputs_embeds") is not None:
+    if kwargs.get("inputs_embeds") is not None:  # (HF's dict then has no ids to step)
         return False
     # every other value must be an argument passed through: a value HF computed would go stale
-    if any(key not in BUILT and (key not in kwargs or value is not kwargs[key])
+    if any(key not in BUILT_KEYS and (key not in kwargs or value is not kwargs[key])
            for key, value in out.items()):
         return False
     positions = kwargs.get("position_ids")
-    if ("position_ids" in out) != (positions is not None) or (positions is not None and not (
-            positions.shape[-1] == input_ids.shape[1] and _same(out["position_ids"],
-                                                                _last(positions)))):
+    if not _positions_fit(out, kwargs, input_ids.shape[1]) or (
+            positions is not None and not _same(out["position_ids"], _last(positions))):
         return False
     mask2d, mask = kwargs.get("attention_mask"), out.get("attention_mask")
     if isinstance(mask, dict):
@@ -159,6 +158,13 @@ def _steppable(out: dict, input_ids: torch.Tensor, kwargs: dict) -> bool:
         return False
     closed = _closed(mask, mask2d, input_ids.shape[1])
     return bool(torch.equal(closed, mask)) and _same(out.get("input_ids"), _last(input_ids))
+
+
+def _positions_fit(out: dict, kwargs: dict, n: int) -> bool:
+    """HF's dict ``out`` has positions exactly when the call passed them, one per id."""
+    positions = kwargs.get("position_ids")
+    return ("position_ids" in out) == (positions is not None) and (
+        positions is None or positions.shape[-1] == n)
 
 
 def _full_width(mask2d: Any, input_ids: torch.Tensor) -> bool:
@@ -220,20 +226,38 @@ def stepping(hf: Callable[..., dict], steps: StepInputs) -> Callable[..., dict]:
     return prepare
 
 
-def generic(model: Any) -> bool:
-    """Whether ``model`` prepares inputs and masks with HF's generic functions (the only ones
-    whose decode inputs :class:`StepInputs` knows) and attends to every earlier position in
-    every layer: a sliding window or chunked attention masks positions a step would keep."""
+def can_step(model: Any, own: Callable[[Any], bool] = lambda f: False) -> bool:
+    """Whether ``model``'s decode inputs are HF's generic ones, the only ones
+    :class:`StepInputs` knows: HF's ``prepare_inputs_for_generation`` and mask function, on
+    the class and on the instance (``own(f)``: an instance function that is fxpass's own),
+    SDPA's boolean masks, and every layer attending to every earlier position (a sliding
+    window or chunked attention masks positions a step would keep). Read at every
+    ``generate()`` call: a config changed since compile counts."""
     try:
+        from transformers import masking_utils as mu
         from transformers.generation.utils import GenerationMixin
     except ImportError:
         return False
-    own = getattr(type(model), "prepare_inputs_for_generation", None)
-    if (own is not GenerationMixin.prepare_inputs_for_generation
-            or getattr(type(model), "create_masks_for_generate", None) is not None):
+    try:
+        return _generic(model, own, mu, GenerationMixin)
+    except Exception:  # noqa: BLE001 - an unusual model or config: HF's own inputs
+        return False
+
+
+def _generic(model: Any, own: Callable[[Any], bool], mu: Any, mixin: type) -> bool:
+    mine = vars(model).get("prepare_inputs_for_generation")
+    masks = vars(model).get("create_masks_for_generate")
+    if (getattr(type(model), "prepare_inputs_for_generation", None)
+            is not mixin.prepare_inputs_for_generation
+            or getattr(type(model), "create_masks_for_generate", None) is not None
+            or (mine is not None and not hasattr(mine, UNSTEPPED))
+            or (masks is not None and not own(masks))):
         return False
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (getattr(config, "_attn_implementation", None) != "sdpa"
+            or mu.ALL_MASK_ATTENTION_FUNCTIONS.get("sdpa") is not mu.sdpa_mask):
+        return False  # (another implementation's masks, or SDPA's mask function replaced)
     types = getattr(config, "layer_types", None)
     if types is not None:
         return all(t == FULL for t in types)
