@@ -73,7 +73,8 @@ class StepInputs(threading.local):
         self.passed: dict[str, Any] = {}  # its other arguments, by identity
         self.checked = False  # a stepped input of this call has matched HF's
         self.active = False  # inside compile_for_generate's outermost generate()
-        #: why stepping is off for this model (a check found HF's answer different), or None
+        #: why stepping is off for this model on this thread (a check found HF's answer
+        #: different), or None
         self.off: str | None = None
 
     def start(self) -> None:
