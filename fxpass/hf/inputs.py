@@ -3,9 +3,10 @@ one position instead of rebuilt.
 
 Why: before every decode step HF's ``prepare_inputs_for_generation`` rebuilds the step's inputs
 from scratch: it slices and clones the ids, looks the model's dtype and device up over its
-parameters, and builds the 4-D attention mask through the mask functions, about 325 Python
-calls. On a compiled Qwen3 4 x 512 that is 0.29 ms of a 5.2 ms step, run right after the region
-has streamed the weights through the caches. The package's runner pays none of it.
+parameters, and builds the 4-D attention mask through the mask functions: a few hundred Python
+calls, run right after the region has streamed the weights through the caches. The package's
+runner pays none of it; stepping them is 0.97x HF's ms/token on a compiled Qwen3 4 x 512
+(``python -m benchmarks.probes.step_inputs``, paired).
 
 A decode step over a static cache with full causal attention needs only three new values:
 the last token's id, its position (when HF passes positions), and a mask that lets the query
