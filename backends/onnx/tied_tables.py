@@ -44,7 +44,7 @@ def share_tied_tables(model: onnx.ModelProto) -> int:
         head = next((h for h in heads if _same_values(node, h, inits)
                      and _same_lookups(node, h, inits)), None)
         if head is not None:
-            _read_head(model, node, head, int(inits[node.input[0]].dims[1]))
+            _read_head(model, node, head, inits[head.input[1]], int(inits[node.input[0]].dims[1]))
             shared += 1
     return shared
 
@@ -150,9 +150,8 @@ def _same_lookups(node: onnx.NodeProto, head: onnx.NodeProto,
 
 
 def _read_head(model: onnx.ModelProto, node: onnx.NodeProto, head: onnx.NodeProto,
-               cols: int) -> None:
-    """Replace ``node`` (a ``GatherBlockQuantized``) by the lookup of ``head``'s blocks."""
-    blocks = next(t for t in model.graph.initializer if t.name == head.input[1])
+               blocks: onnx.TensorProto, cols: int) -> None:
+    """Replace ``node`` (a ``GatherBlockQuantized``) by the lookup of ``head``'s ``blocks``."""
     nodes, consts = _shared_nodes(node, head, blocks, cols, node.input[1], node.output[0])
     model.graph.initializer.extend(consts)
     at = list(model.graph.node).index(node)

@@ -62,7 +62,7 @@ FORMAT = "fxpass-package/1"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 #: tensors of this many bytes or more start on a :data:`PAGE` boundary in weights.bin
-ALIGN = 64 * 1024
+PAGED_FROM = 64 * 1024
 #: Why a page and not 64 KiB (onnx's Windows-minded default): onnxruntime maps an external
 #: weight at any offset (it maps from the page below; checked on Linux with onnxruntime
 #: 1.31), and a 64 KiB boundary pads each tensor by up to 64 KiB, which is several percent of

@@ -27,10 +27,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpass.aot.package import (
-    ALIGN,
     FORMAT,
     MANIFEST,
     PAGE,
+    PAGED_FROM,
     WEIGHTS,
     PackageError,
     _file_digest,
@@ -75,7 +75,7 @@ class _WeightsFile:
         key = (a.nbytes, h.hexdigest())
         if key in self.seen:
             return self.seen[key]
-        if a.nbytes >= ALIGN and self.offset % PAGE:
+        if a.nbytes >= PAGED_FROM and self.offset % PAGE:
             pad = PAGE - self.offset % PAGE
             self.f.write(bytes(pad))
             self.offset += pad

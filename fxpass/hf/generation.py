@@ -173,16 +173,10 @@ def compile_for_generate(
 
 def _unstep(model: Any) -> None:
     """Undo the stepping of ``model``'s ``prepare_inputs_for_generation`` (``fxpass.hf.inputs``)
-    an earlier ``compile_for_generate`` installed: back to the class's method, or to the
-    instance function it wrapped."""
-    hf = getattr(vars(model).get("prepare_inputs_for_generation"), UNSTEPPED, None)
-    if hf is None:
-        return
-    if getattr(hf, "__func__", None) is getattr(type(model), "prepare_inputs_for_generation",
-                                                None) and getattr(hf, "__self__", None) is model:
+    an earlier ``compile_for_generate`` installed. It only ever wraps the class's method
+    (``can_step`` refuses an instance function), so removing the wrapper restores that."""
+    if hasattr(vars(model).get("prepare_inputs_for_generation"), UNSTEPPED):
         del model.prepare_inputs_for_generation
-    else:
-        model.prepare_inputs_for_generation = hf
 
 
 def _own_masks(fn: Any) -> bool:

@@ -265,7 +265,7 @@ class OrtExecutor:
         b = getattr(st, "binding", None)
         if b is None or st.generation != self._generation:
             b = st.binding = Binding(self.session)
-            st.last, st.shapes, st.outs, st.kept = {}, {}, None, {}
+            st.last, st.shapes, st.outs = {}, {}, None  # (st.kept: set when outs are learned)
             st.generation = self._generation
             for name, value in self._static.items():  # numpy views, or BF16 OrtValues
                 if isinstance(value, np.ndarray):
