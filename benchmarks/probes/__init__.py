@@ -4,8 +4,11 @@ on it); rerun one when what it measures moves. ``python -m benchmarks.probes.<na
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -40,3 +43,28 @@ def paired_cli(doc: str, run: Callable[[int, int], dict], name: str,
     args = ap.parse_args(argv)
     r = run(args.rounds, args.tokens)
     save(name, r, paired_md(r, columns))
+
+
+def paired_decode(gen: Callable[[int], Any], switch: Callable[[bool], None], rounds: int,
+                  tokens: int) -> tuple[dict[bool, list[float]], dict[bool, Any]]:
+    """Decode ms/token of A (``switch(True)``) and B (``switch(False)``), alternating which
+    goes first each round: (t(1 + N) - t(1)) / N, each after a warm-up ``gen(2)``. Returns the
+    per-round figures and each side's last output (``gen(n)``: generate n new tokens)."""
+    per: dict[bool, list[float]] = {True: [], False: []}
+    out: dict[bool, Any] = {}
+    for r in range(rounds):
+        for side in ((True, False) if r % 2 else (False, True)):
+            switch(side)
+            gen(2)
+            t = time.perf_counter()
+            gen(1)
+            one = time.perf_counter() - t
+            t = time.perf_counter()
+            out[side] = gen(tokens + 1)
+            per[side].append((time.perf_counter() - t - one) / tokens * 1e3)
+    return per, out
+
+
+def paired_ratio(per: dict[bool, list[float]]) -> float:
+    """The median of the rounds' A/B ratios."""
+    return statistics.median(a / b for a, b in zip(per[True], per[False], strict=True))

@@ -12,11 +12,10 @@ Writes ``benchmarks/probes/results/step_inputs.{json,md}``.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from benchmarks.probes import paired_cli
+from benchmarks.probes import paired_cli, paired_decode, paired_ratio
 
 
 def run(rounds: int, tokens: int) -> dict:
@@ -36,25 +35,17 @@ def run(rounds: int, tokens: int) -> dict:
 
     gen(tokens + 1)
     settle()
-    per: dict[bool, list[float]] = {True: [], False: []}
-    out = {}
     before = inputs.COUNTS["stepped"]
-    for r in range(rounds):
-        for step in ((True, False) if r % 2 else (False, True)):
-            model.prepare_inputs_for_generation = prepare[step]
-            gen(2)
-            t = time.perf_counter()
-            gen(1)
-            one = time.perf_counter() - t
-            t = time.perf_counter()
-            out[step] = gen(tokens + 1)
-            per[step].append((time.perf_counter() - t - one) / tokens * 1e3)
+
+    def switch(step: bool) -> None:
+        model.prepare_inputs_for_generation = prepare[step]
+
+    per, out = paired_decode(gen, switch, rounds, tokens)
     model.prepare_inputs_for_generation = stepping
-    ratios = [a / b for a, b in zip(per[True], per[False], strict=True)]
     return {"model": "qwen3-4x512 fp32, compile_for_generate(device='ort')", "rounds": rounds,
             "tokens": tokens, "stepped_ms_per_token": statistics.median(per[True]),
             "hf_ms_per_token": statistics.median(per[False]),
-            "paired_ratio": statistics.median(ratios),
+            "paired_ratio": paired_ratio(per),
             "stepped_inputs": inputs.COUNTS["stepped"] - before,
             "tokens_equal": bool(torch.equal(out[True], out[False]))}
 

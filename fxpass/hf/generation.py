@@ -41,7 +41,7 @@ from fxpass.graph import FROZEN
 from fxpass.hf.inputs import UNSTEPPED, StepInputs, can_step, stepping
 from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
 from fxpass.hf.steps import MODES as STEP_GUARDS
-from fxpass.hf.steps import Owner, StepGuards
+from fxpass.hf.steps import Owner, StepGuards, quiet
 
 aten = torch.ops.aten
 
@@ -179,6 +179,11 @@ def _unstep(model: Any) -> None:
         del model.prepare_inputs_for_generation
 
 
+def _ours(fn: Any) -> bool:
+    """Whether ``fn`` (a function on a model instance) is one ``compile_for_generate`` set."""
+    return hasattr(fn, UNCOMPILED) or hasattr(fn, UNSTEPPED) or _own_masks(fn)
+
+
 def _own_masks(fn: Any) -> bool:
     """Whether ``fn`` (a model's instance ``create_masks_for_generate``) is fxpass's own."""
     return fn in _SPELLED_OUT
@@ -268,7 +273,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
         steps_inputs = model is not None and can_step(model, _own_masks)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
         loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
-        loop.steps.start()
+        loop.steps.start(model is not None and quiet(model, args, kwargs, _ours))
         inputs.start()
         inputs.active = steps_inputs
         if loop.threads is not None:

@@ -6,10 +6,12 @@ Greedy fp32 tokens must equal eager's exactly. ``steps.STEPS`` counts the steps 
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from fxpass.hf import generation, steps
 from fxpass.tools import zoo
@@ -216,3 +218,103 @@ def test_signature_tells_shapes_values_and_objects_apart():
         other = {"input_ids": a, "past_key_values": cache, "use_cache": True,
                  "attention_mask": mask, **change}
         assert steps.signature((), other) != sig, change
+
+
+class _CountedGuard(list):
+    """A weight guard's entries that count how often the guard reads them."""
+
+    reads = 0
+
+    def __iter__(self):
+        _CountedGuard.reads += 1
+        return super().__iter__()
+
+
+def _count_weight_guards(monkeypatch) -> None:
+    """Graphs compiled from here on keep their weight guard in a :class:`_CountedGuard`."""
+    from fxpass.jit.guarded import GuardedGraph
+
+    snapshot = GuardedGraph._snapshot
+    monkeypatch.setattr(GuardedGraph, "_snapshot",
+                        lambda self, gm: _CountedGuard(snapshot(self, gm)))
+
+
+class _Never(StoppingCriteria):
+    """A stopping criterion of the caller's: the call is not quiet; ``write`` runs once, after
+    step ``at``."""
+
+    def __init__(self, write=None, at=0):
+        self.write, self.at, self.seen = write, at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen += 1
+        if self.write is not None and self.seen == self.at:
+            self.write()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_quiet_call_skips_the_weight_guard_on_trusted_steps(opts, monkeypatch):
+    """With nothing of the caller's between steps, only the steps under every guard read the
+    weight guard; with a stopping criterion of the caller's, every step reads it."""
+    model, ids = _model()
+    expected = _generate(model, ids, cache_implementation="static")
+    _count_weight_guards(monkeypatch)
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)
+    for criteria, reads in ((None, 2), (StoppingCriteriaList([_Never()]), N)):
+        _CountedGuard.reads = 0
+        got, trusted, full = _run(model, ids, stopping_criteria=criteria)
+        assert torch.equal(got, expected)
+        assert (trusted, full, _CountedGuard.reads) == (N - 2, 2, reads)
+
+
+def test_a_weight_the_callers_code_writes_between_trusted_steps_is_seen(opts):
+    """A stopping criterion flips the final norm's sign after the fifth token, between two
+    trusted steps: the compiled model follows eager's tokens, which change there."""
+    model, ids = _model()
+    reference = copy.deepcopy(model)
+
+    def flip(m):
+        return lambda: m.model.norm.weight.mul_(-1.0)
+
+    expected = _generate(reference, ids, cache_implementation="static",
+                         stopping_criteria=StoppingCriteriaList([_Never(flip(reference), 5)]))
+    assert not torch.equal(expected, _generate(model, ids, cache_implementation="static"))
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    _generate(model, ids)
+    with pytest.warns(UserWarning, match="changed after compile; recompiling"):
+        got, trusted, _ = _run(model, ids,
+                               stopping_criteria=StoppingCriteriaList([_Never(flip(model), 5)]))
+    assert torch.equal(got, expected) and trusted > 0
+
+
+def test_quiet_names_what_runs_between_steps():
+    model, ids = _model()
+    generation.compile_for_generate(model, max_cache_len=32, device="ort")
+
+    def is_quiet(*args, **kwargs):
+        return steps.quiet(model, (ids, *args), kwargs, generation._ours)
+
+    assert is_quiet() and is_quiet(None, None, stopping_criteria=None)
+    assert not is_quiet(None, StoppingCriteriaList())  # anything past the config
+    assert not is_quiet(streamer=object())
+    assert not is_quiet(logits_processor=[])
+    assert not is_quiet(past_key_values=object())  # not transformers' cache
+    handle = model.register_forward_pre_hook(lambda m, a: None)
+    assert not is_quiet()
+    handle.remove()
+    model._update_model_kwargs_for_generation = lambda *a, **k: None
+    assert not is_quiet()
+    model._update_model_kwargs_for_generation = type(model)._update_model_kwargs_for_generation
+    assert not is_quiet()  # a plain function: the class's, but not bound to the model
+    del model._update_model_kwargs_for_generation
+    model._update_model_kwargs_for_generation = model._update_model_kwargs_for_generation
+    assert is_quiet()  # the class's own, bound
+    del model._update_model_kwargs_for_generation
+    assert is_quiet()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert not is_quiet()
+    finally:
+        handle.remove()
+    assert is_quiet()
