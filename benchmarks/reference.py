@@ -102,9 +102,9 @@ SUITE: list[tuple[str, ...]] = [
 ]
 
 #: one-question probes: the question, answered once; rerun them when what they measure moves
-PROBES = ["bisect_compile", "compile_memory", "decode_region", "forward_split", "gemv",
-          "guard_bound", "guards", "loop_threads", "ort_overhead", "passmanager_scaling",
-          "spinning", "tiering", "wrapper_cost"]
+#: (every module of ``benchmarks/probes/``, so a new one is listed without editing this)
+PROBES = sorted(p.stem for p in (ROOT / "benchmarks" / "probes").glob("*.py")
+                if not p.stem.startswith("_"))
 
 
 def _question(module: str) -> str:
