@@ -1,5 +1,5 @@
 """The weight guard skipped on the trusted steps of a quiet ``generate()`` call
-(``fxpass.hf.steps.quiet``) against checked on every step, A/B in one process.
+(``fxpass.hf.quiet``) against checked on every step, A/B in one process.
 
     python -m benchmarks.probes.quiet_steps [--rounds 21] [--tokens 64]
 
@@ -27,21 +27,21 @@ def run(rounds: int, tokens: int) -> dict:
     model, ids = _build("qwen3-4x512")
     generation.compile_for_generate(model, max_cache_len=ids.shape[1] + tokens + 8,
                                     device="ort")
-    quiet = generation.quiet
+    quiet = generation.quiet_call
 
     def gen(n: int) -> torch.Tensor:
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
     def switch(on: bool) -> None:
-        generation.quiet = quiet if on else (lambda *a: False)
+        generation.quiet_call = quiet if on else (lambda *a: False)
 
     gen(tokens + 1)
     settle()
     try:
         per, out = paired_decode(gen, switch, rounds, tokens)
     finally:
-        generation.quiet = quiet
+        generation.quiet_call = quiet
     return {"model": "qwen3-4x512 fp32, compile_for_generate(device='ort')", "rounds": rounds,
             "tokens": tokens, "quiet_ms_per_token": statistics.median(per[True]),
             "checked_ms_per_token": statistics.median(per[False]),

@@ -40,8 +40,9 @@ from torch.fx import GraphModule
 from fxpass.graph import FROZEN
 from fxpass.hf.inputs import UNSTEPPED, StepInputs, can_step, stepping
 from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
+from fxpass.hf.quiet import quiet_call
 from fxpass.hf.steps import MODES as STEP_GUARDS
-from fxpass.hf.steps import Owner, StepGuards, quiet
+from fxpass.hf.steps import Owner, StepGuards
 
 aten = torch.ops.aten
 
@@ -163,11 +164,13 @@ def compile_for_generate(
     generate = getattr(model.generate, UNCOMPILED, None) or model.generate
     inputs = StepInputs()
     model.generate = _loop_on_threads(generate, state, prefill, inputs)
+    _INSTALLED.update((model.forward, model.generate))
     _spell_out_masks(model, state)
     _unstep(model)  # an earlier compile's stepping, on its own StepInputs
     if can_step(model, _own_masks):
         model.prepare_inputs_for_generation = stepping(model.prepare_inputs_for_generation,
                                                        inputs)
+        _INSTALLED.add(model.prepare_inputs_for_generation)
     return model
 
 
@@ -181,7 +184,13 @@ def _unstep(model: Any) -> None:
 
 def _ours(fn: Any) -> bool:
     """Whether ``fn`` (a function on a model instance) is one ``compile_for_generate`` set."""
-    return hasattr(fn, UNCOMPILED) or hasattr(fn, UNSTEPPED) or _own_masks(fn)
+    return fn in _INSTALLED or _own_masks(fn)
+
+
+#: the forward, generate and input functions ``compile_for_generate`` set on instances; by
+#: identity, since ``functools.wraps`` copies their marker attributes onto a caller's wrapper
+#: (accelerate's hooks wrap ``forward`` so; found in review)
+_INSTALLED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _own_masks(fn: Any) -> bool:
@@ -273,7 +282,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
         steps_inputs = model is not None and can_step(model, _own_masks)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
         loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
-        loop.steps.start(model is not None and quiet(model, args, kwargs, _ours))
+        loop.steps.start(model is not None and quiet_call(model, args, kwargs, _ours))
         inputs.start()
         inputs.active = steps_inputs
         if loop.threads is not None:

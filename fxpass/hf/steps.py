@@ -11,8 +11,7 @@ first decode steps run every guard; once a step has run the same graph as the st
 under every guard, with nothing compiled, the following steps of that call run under torch's
 ``skip_guard_eval_unsafe`` stance: Dynamo then checks only the guards that tell the frame's
 compiled graphs apart (the input tensors' dtypes, shapes and strides, not the parameters'; and
-guards that have failed before), so prefill and decode graphs are still told apart. fxpass's
-weight guard runs on every call either way.
+guards that have failed before), so prefill and decode graphs are still told apart.
 
 When it applies, all of these hold, else every guard runs:
 
@@ -32,18 +31,17 @@ When it applies, all of these hold, else every guard runs:
   too. In Jupyter or a threaded server this does not apply.
 
 fxpass's weight guard (``fxpass.jit.guarded``) runs on every step too, except on the trusted
-steps of a *quiet* call (:func:`quiet`): one in which nothing but transformers' own code runs
-between two steps (no logits processor, stopping criterion, streamer or other callback of the
-caller's, no hook on the model, no method of the caller's on it or its cache). The step before
-checked the same weights, and nothing since could have written them; that saves reading every
-frozen weight's pointer and version per token (about 80 us on Qwen3 4 x 512).
+steps of a *quiet* call (``fxpass.hf.quiet``): one that runs none of the caller's code between
+two steps (callbacks, hooks, modes, a subclass's or a patched method), so the weights the step
+before checked are the weights now; that saves reading every frozen weight's pointer and
+version per token (about 80 us on Qwen3 4 x 512).
 
 A trusted step whose guards miss anyway (torch refuses to compile under the stance) runs again
 under every guard, and the rest of that call checks every guard.
 
 What is not re-checked inside one call: a model attribute that a logits processor, a stopping
 criterion or a streamer changes during the call (a weight they write is: such a call is not
-quiet). ``compile_for_generate(...,
+quiet; ``fxpass.hf.quiet`` says what else it cannot see). ``compile_for_generate(...,
 step_guards="all")`` checks every guard on every step.
 """
 
@@ -209,56 +207,12 @@ def differentiating_guards(fn: Callable[..., Any], args: tuple, kwargs: dict[str
     context manager per token); ``hold``: the weight guard is skipped too (a quiet call)."""
     ef = _eval_frame()
     prev = ef._set_stance(_trusted_stance())
-    HELD.on = hold
     try:
+        HELD.on = hold  # (taken by the forward's graph: ``fxpass.jit.held``)
         return fn(*args, **kwargs)
     finally:
         HELD.on = False
         ef._set_stance(prev)
-
-
-#: ``generate()``'s parameters through which the caller's code runs between decode steps
-CALLERS_CODE = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
-                "streamer", "assistant_model", "negative_prompt_ids", "custom_generate")
-#: its parameters that may be passed by position and run nothing of the caller's
-_PLAIN_POSITIONAL = 2  # (inputs, generation_config)
-#: torch's process-wide module hooks (dicts), read by name: any entry runs per forward call
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks")
-
-
-def quiet(model: Any, args: tuple, kwargs: dict[str, Any],
-          ours: Callable[[Any], bool]) -> bool:
-    """Whether a ``generate(*args, **kwargs)`` call on ``model`` runs only transformers' code
-    between two decode steps, so nothing can write a weight there: no callback of the
-    caller's (:data:`CALLERS_CODE`, or anything past the first two positional arguments), no
-    forward hook on the model or process-wide, a model and cache of transformers' own classes
-    (a subclass of the caller's could override a method the loop calls), and no function set
-    on the instance but fxpass's own (``ours``) and the class's own methods."""
-    if any(a is not None for a in args[_PLAIN_POSITIONAL:]):
-        return False
-    if any(kwargs.get(k) is not None for k in CALLERS_CODE):
-        return False
-    if not _library(model) or not _library(kwargs.get("past_key_values")):
-        return False
-    if getattr(model, "_forward_pre_hooks", True) or getattr(model, "_forward_hooks", True):
-        return False
-    mod = torch.nn.modules.module
-    if any(getattr(mod, h, True) for h in _GLOBAL_HOOKS):
-        return False
-    own = type(model)
-    return not any(callable(v) and not ours(v) and not _bound_own(v, model, own, k)
-                   for k, v in vars(model).items())
-
-
-def _bound_own(v: Any, model: Any, own: type, name: str) -> bool:
-    """``v`` is the model class's own method ``name`` bound to ``model``."""
-    return getattr(v, "__self__", None) is model and getattr(v, "__func__", None) is getattr(
-        own, name, None)
-
-
-def _library(obj: Any) -> bool:
-    """``obj`` is None or an instance of a transformers class."""
-    return obj is None or type(obj).__module__.startswith("transformers.")
 
 
 def backend_of(compiled: Callable[..., Any]) -> Any:
@@ -332,12 +286,12 @@ class StepGuards:
         self.owner = owner
         self.last: tuple | None = None
         self.off = False  # a trusted step missed: every guard for the rest of the call
-        self.quiet = False  # the call runs none of the caller's code between steps
+        self.hold = False  # a quiet call (``fxpass.hf.quiet``): trusted steps skip weights
 
-    def start(self, quiet: bool = False) -> None:
-        """A new ``generate()`` call: its first steps run every guard. ``quiet``: see
-        :func:`quiet`; its trusted steps skip the weight guard too."""
-        self.last, self.off, self.quiet = None, False, quiet
+    def start(self, hold: bool = False) -> None:
+        """A new ``generate()`` call: its first steps run every guard. ``hold``: the call is
+        quiet (``fxpass.hf.quiet``), so its trusted steps skip the weight guard too."""
+        self.last, self.off, self.hold = None, False, hold
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
              eligible: bool) -> Any:
@@ -354,7 +308,7 @@ class StepGuards:
         if (sig == self.last and before is not None and self.owner.sound(before)
                 and default_stance() and alone()):
             try:
-                out = differentiating_guards(fn, args, kwargs, self.quiet)
+                out = differentiating_guards(fn, args, kwargs, self.hold)
             except RuntimeError as e:
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise

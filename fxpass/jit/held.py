@@ -13,8 +13,10 @@ class Held(threading.local):
     Why: the guard reads every frozen weight's pointer, version, shape and dtype, about 80 us
     per decode step on Qwen3 4 x 512 right after a region has streamed the weights through the
     caches. ``fxpass.hf.steps`` sets ``on`` for a trusted decode step of a ``generate()`` call
-    in which nothing but the library's own code runs between steps: the step before checked
-    the same weights, and nothing since could have written them."""
+    that runs none of the caller's code between steps (``fxpass.hf.quiet``): the step before
+    checked the same weights. The first guarded graph called takes the flag (sets it back to
+    False): a trusted forward runs one graph, and any graph called from inside it checks its
+    own weights."""
 
     def __init__(self) -> None:
         self.on = False

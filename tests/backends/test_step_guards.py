@@ -7,13 +7,17 @@ Greedy fp32 tokens must equal eager's exactly. ``steps.STEPS`` counts the steps 
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 import threading
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import StaticLayer
 
-from fxpass.hf import generation, steps
+from fxpass.hf import generation, quiet, steps
+from fxpass.jit.held import HELD
 from fxpass.tools import zoo
 
 N = 8  # new tokens: a prefill and N - 1 decode steps
@@ -288,33 +292,133 @@ def test_a_weight_the_callers_code_writes_between_trusted_steps_is_seen(opts):
     assert torch.equal(got, expected) and trusted > 0
 
 
+@pytest.mark.parametrize("arg", quiet.CALLERS_CODE)
+def test_every_callers_argument_makes_a_call_not_quiet(arg):
+    model, ids = _model()
+    generation.compile_for_generate(model, max_cache_len=32, device="ort")
+    assert quiet.quiet_call(model, (ids,), {arg: None}, generation._ours)
+    assert not quiet.quiet_call(model, (ids,), {arg: object()}, generation._ours)
+
+
+class _Mode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Layer(StaticLayer):
+    def get_seq_length(self):
+        return super().get_seq_length()
+
+
 def test_quiet_names_what_runs_between_steps():
     model, ids = _model()
     generation.compile_for_generate(model, max_cache_len=32, device="ort")
 
     def is_quiet(*args, **kwargs):
-        return steps.quiet(model, (ids, *args), kwargs, generation._ours)
+        return quiet.quiet_call(model, (ids, *args), kwargs, generation._ours)
 
-    assert is_quiet() and is_quiet(None, None, stopping_criteria=None)
+    assert is_quiet() and is_quiet(None, None)
     assert not is_quiet(None, StoppingCriteriaList())  # anything past the config
-    assert not is_quiet(streamer=object())
-    assert not is_quiet(logits_processor=[])
-    assert not is_quiet(past_key_values=object())  # not transformers' cache
+    assert not is_quiet(past_key_values=_Layer(max_cache_len=32))  # a class of the caller's
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    assert is_quiet(past_key_values=cache)
+    cache.layers[0] = _Layer(max_cache_len=32)  # a layer class of the caller's
+    assert not is_quiet(past_key_values=cache)
     handle = model.register_forward_pre_hook(lambda m, a: None)
     assert not is_quiet()
     handle.remove()
-    model._update_model_kwargs_for_generation = lambda *a, **k: None
-    assert not is_quiet()
-    model._update_model_kwargs_for_generation = type(model)._update_model_kwargs_for_generation
-    assert not is_quiet()  # a plain function: the class's, but not bound to the model
-    del model._update_model_kwargs_for_generation
-    model._update_model_kwargs_for_generation = model._update_model_kwargs_for_generation
-    assert is_quiet()  # the class's own, bound
-    del model._update_model_kwargs_for_generation
-    assert is_quiet()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
     try:
         assert not is_quiet()
     finally:
         handle.remove()
+    with _Mode():
+        assert not is_quiet()
+    sys.settrace(lambda *a: None)
+    try:
+        assert not is_quiet()
+    finally:
+        sys.settrace(None)
+    assert not is_quiet(ids.as_subclass(_Sub))  # its __torch_function__ runs per op
     assert is_quiet()
+
+
+def test_a_function_on_the_model_or_its_class_makes_a_call_not_quiet():
+    model, ids = _model()
+    generation.compile_for_generate(model, max_cache_len=32, device="ort")
+
+    def is_quiet():
+        return quiet.quiet_call(model, (ids,), {}, generation._ours)
+
+    cls, name = type(model), "_update_model_kwargs_for_generation"
+    setattr(model, name, lambda *a, **k: None)
+    assert not is_quiet()
+    setattr(model, name, getattr(cls, name))
+    assert not is_quiet()  # a plain function: the class's, but not bound to the model
+    delattr(model, name)
+    setattr(model, name, getattr(model, name))
+    assert is_quiet()  # the class's own, bound
+    delattr(model, name)
+    compiled = model.forward  # wrapped as accelerate's hooks wrap it: its markers copied
+
+    @functools.wraps(compiled)
+    def hooked(*args, **kwargs):
+        return compiled(*args, **kwargs)
+
+    model.forward = hooked
+    assert not is_quiet()
+    model.forward = compiled
+    assert is_quiet()
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def patched(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, patched)  # patched on the class, by name and module transformers'
+    try:
+        assert not is_quiet()
+    finally:
+        setattr(cls, name, original)
+    assert is_quiet()
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+_INNER: list = []
+
+
+@torch.library.custom_op("fxpass_test_step_guards::inner", mutates_args=())
+def _call_inner(t: torch.Tensor) -> torch.Tensor:
+    return _INNER[0](t)
+
+
+@_call_inner.register_fake
+def _(t):
+    return torch.empty_like(t)
+
+
+def test_the_held_flag_is_the_first_graphs_alone(opts):
+    """A trusted step's flag skips the weight guard of the forward's own graph only: a
+    compiled model called from inside it (through a custom op) checks its weights."""
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(8, 8)
+    _INNER[:] = [inner]
+    outer = torch.compile(lambda t: _call_inner(t * 2.0) + 1.0, backend="fxpass_ort",
+                          dynamic=False, options=opts)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        outer(x)  # compiled around the eager inner model
+        _INNER[:] = [torch.compile(inner, backend="fxpass_ort", dynamic=False, options=opts)]
+        _INNER[0](x)
+        outer(x)
+        inner.weight.mul_(-1.0)
+        HELD.on = True
+        try:
+            with pytest.warns(UserWarning, match="changed after compile; recompiling"):
+                got = outer(x)
+        finally:
+            HELD.on = False
+        assert torch.allclose(got, inner(x * 2.0) + 1.0, atol=1e-6)
