@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .graph import FROZEN, FROZEN_BUFFER
+from .graph import FROZEN, FROZEN_BUFFER, FROZEN_VERSION
 
 
 @dataclass
@@ -104,12 +104,18 @@ def mark_frozen(
     for ph, t, f, name in zip(phs, real, frozen, names, strict=True):
         if f and isinstance(t, torch.Tensor) and ph.name not in written:
             ph.meta[FROZEN] = t.detach()
+            ph.meta[FROZEN_VERSION] = version_of(t)
             if not isinstance(t, torch.nn.Parameter):
                 ph.meta[FROZEN_BUFFER] = True
             if name:
                 ph.meta[SOURCE] = name
             n += 1
     return n
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
 
 
 def aot_backend(

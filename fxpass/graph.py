@@ -16,6 +16,11 @@ FROZEN = "fxpass_frozen"
 #: placeholder meta: the frozen tensor is a module buffer (state a model may write), not a
 #: parameter
 FROZEN_BUFFER = "fxpass_frozen_buffer"
+#: placeholder meta: the frozen tensor's version counter when it was frozen, read from the
+#: tensor itself (None: an inference tensor, which has none). The ``detach()`` kept under
+#: :data:`FROZEN` shares that counter only where autograd's keys run: made inside an op's
+#: kernel (a compiled model called from a custom op) it gets a counter of its own, at 0
+FROZEN_VERSION = "fxpass_frozen_version"
 
 
 def fake_mode_of(gm: GraphModule) -> Any:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from fxpass._capture import SOURCE
-from fxpass.graph import FROZEN, FROZEN_BUFFER, is_static
+from fxpass._capture import SOURCE, version_of
+from fxpass.graph import FROZEN, FROZEN_BUFFER, FROZEN_VERSION, is_static
 from fxpass.jit import backend
 from fxpass.jit.backend import (
     _GRAPH_IDS,
@@ -65,15 +65,17 @@ class GuardedGraph:
         self.run = self._build(aot_gm)
 
     @staticmethod
-    def _entry(k: int, t: torch.Tensor) -> tuple[int, int, int | None, tuple, torch.dtype]:
+    def _entry(k: int, t: torch.Tensor, version: Any = ...
+               ) -> tuple[int, int, int | None, tuple, torch.dtype]:
         """What the guard compares for weight input ``k``; inference-mode tensors have no
-        version counter: pointer, shape and dtype only."""
-        return (k, t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape),
+        version counter: pointer, shape and dtype only. ``version``: the counter read when
+        ``t`` was frozen (``graph.FROZEN_VERSION``), else ``t``'s own."""
+        return (k, t.data_ptr(), version_of(t) if version is ... else version, tuple(t.shape),
                 t.dtype)
 
     def _snapshot(self, gm: GraphModule) -> list[tuple[int, int, int | None, tuple, torch.dtype]]:
         snap = [
-            self._entry(k, p.meta[FROZEN])
+            self._entry(k, p.meta[FROZEN], p.meta.get(FROZEN_VERSION, ...))
             for k, p in enumerate(gm.graph.find_nodes(op="placeholder"))
             if p.meta.get(FROZEN) is not None
         ]
@@ -270,6 +272,7 @@ class GuardedGraph:
                 "every call, not frozen")
         for i in written:
             del phs[i].meta[FROZEN], phs[i].meta[FROZEN_BUFFER]
+            phs[i].meta.pop(FROZEN_VERSION, None)
         self.variants.clear()  # every variant froze them
         log.info("%s: %s", self.who, note)
         STATS["unfrozen_buffers"] += len(written)
@@ -300,7 +303,7 @@ class GuardedGraph:
     def _rebuild(self, args: tuple, note: str | None = None) -> Any:
         for p, t in zip(self.pristine.graph.find_nodes(op="placeholder"), args, strict=True):
             if FROZEN in p.meta:
-                p.meta[FROZEN] = t.detach()
+                p.meta[FROZEN], p.meta[FROZEN_VERSION] = t.detach(), version_of(t)
         self.run = self._build(_clone(self.pristine))
         if note:
             self.report.notes.append(note)

@@ -10,6 +10,7 @@ import copy
 import functools
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -422,3 +423,25 @@ def test_the_held_flag_is_the_first_graphs_alone(opts):
         finally:
             HELD.on = False
         assert torch.allclose(got, inner(x * 2.0) + 1.0, atol=1e-6)
+
+
+def test_a_model_first_compiled_inside_a_custom_op_sees_its_weights_unchanged(opts):
+    """Compiled from inside an op's kernel (where autograd's keys are off), a weight's
+    ``detach()`` gets a version counter of its own, at 0: the guard reads the weight's own
+    counter, so the next call does not take an unchanged weight for a written one (it
+    recompiled with a warning before), and a write after that is still seen."""
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(8, 8)
+    assert inner.weight._version > 0  # its init wrote it in place
+    _INNER[:] = [torch.compile(inner, backend="fxpass_ort", dynamic=False, options=opts)]
+    outer = torch.compile(lambda t: _call_inner(t * 2.0) + 1.0, backend="fxpass_ort",
+                          dynamic=False, options=opts)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert torch.allclose(outer(x), inner(x * 2.0) + 1.0, atol=1e-6)
+        assert not [w for w in seen if "changed after compile" in str(w.message)]
+        inner.weight.mul_(-1.0)
+        assert torch.allclose(outer(x), inner(x * 2.0) + 1.0, atol=1e-6)
+        assert [w for w in seen if "changed after compile" in str(w.message)]
