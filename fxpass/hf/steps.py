@@ -102,10 +102,9 @@ _IGNORED_IDENTS: set[int] = set()
 def ignore_thread(thread: threading.Thread | int) -> None:
     """Vouch that ``thread`` never calls a ``torch.compile``'d function nor writes a compiled
     model's weights, so its being alive does not keep decode steps on every guard (a server's
-    I/O thread, a test runner's). A
-    ``threading.Thread`` is vouched for while it lives; a bare ident (a thread started through
-    ``_thread`` or native code, which ``threading`` does not list) for good, so a later thread
-    given the same ident is vouched for too."""
+    I/O thread, a test runner's). A ``threading.Thread`` is vouched for while it lives; a bare
+    ident (a thread started through ``_thread`` or native code, which ``threading`` does not
+    list) for good, so a later thread given the same ident is vouched for too."""
     if isinstance(thread, int):
         _IGNORED_IDENTS.add(thread)
     else:
