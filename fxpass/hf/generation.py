@@ -38,7 +38,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxpass.graph import FROZEN
-from fxpass.hf.inputs import UNSTEPPED, StepInputs, can_step, stepping
+from fxpass.hf.inputs import StepInputs, can_step, stepping
 from fxpass.hf.prefill import PrefillChunks, dense, runs_eagerly, spelled_out_masks
 from fxpass.hf.quiet import quiet_call
 from fxpass.hf.steps import MODES as STEP_GUARDS
@@ -167,7 +167,7 @@ def compile_for_generate(
     _INSTALLED.update((model.forward, model.generate))
     _spell_out_masks(model, state)
     _unstep(model)  # an earlier compile's stepping, on its own StepInputs
-    if can_step(model, _own_masks):
+    if can_step(model, _ours):
         model.prepare_inputs_for_generation = stepping(model.prepare_inputs_for_generation,
                                                        inputs)
         _INSTALLED.add(model.prepare_inputs_for_generation)
@@ -177,14 +177,19 @@ def compile_for_generate(
 def _unstep(model: Any) -> None:
     """Undo the stepping of ``model``'s ``prepare_inputs_for_generation`` (``fxpass.hf.inputs``)
     an earlier ``compile_for_generate`` installed. It only ever wraps the class's method
-    (``can_step`` refuses an instance function), so removing the wrapper restores that."""
-    if hasattr(vars(model).get("prepare_inputs_for_generation"), UNSTEPPED):
+    (``can_step`` refuses an instance function of the caller's), so removing it restores that;
+    a caller's wrapper of it is the caller's and stays."""
+    mine = vars(model).get("prepare_inputs_for_generation")
+    if mine is not None and _ours(mine):
         del model.prepare_inputs_for_generation
 
 
 def _ours(fn: Any) -> bool:
     """Whether ``fn`` (a function on a model instance) is one ``compile_for_generate`` set."""
-    return fn in _INSTALLED or _own_masks(fn)
+    try:
+        return fn in _INSTALLED or _own_masks(fn)
+    except TypeError:  # unhashable: not one of fxpass's functions
+        return False
 
 
 #: the forward, generate and input functions ``compile_for_generate`` set on instances; by
@@ -279,10 +284,12 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
                     inputs.active = True
         model = getattr(generate, "__self__", None)
         # read per call: a config or mask function changed since compile counts
-        steps_inputs = model is not None and can_step(model, _own_masks)
+        steps_inputs = model is not None and can_step(model, _ours)
         loop.prefill, calls = prefill.arrange(model, args, kwargs)
         loop.depth, loop.entered, loop.forwards = loop.depth + 1, 0, 0
-        loop.steps.start(model is not None and quiet_call(model, args, kwargs, _ours))
+        # (only where steps can be trusted at all: the check reads every class function)
+        loop.steps.start(model is not None and loop.steps.mode == "auto"
+                         and quiet_call(model, args, kwargs, _ours))
         inputs.start()
         inputs.active = steps_inputs
         if loop.threads is not None:

@@ -231,7 +231,8 @@ def stepping(hf: Callable[..., dict], steps: StepInputs) -> Callable[..., dict]:
 def can_step(model: Any, own: Callable[[Any], bool] = lambda f: False) -> bool:
     """Whether ``model``'s decode inputs are HF's generic ones, the only ones
     :class:`StepInputs` knows: HF's ``prepare_inputs_for_generation`` and mask function, on
-    the class and on the instance (``own(f)``: an instance function that is fxpass's own),
+    the class and on the instance (``own(f)``: an instance function that is fxpass's own, its
+    stepped inputs or its masks; by identity, since ``functools.wraps`` copies markers),
     SDPA's boolean masks, and every layer attending to every earlier position (a sliding
     window or chunked attention masks positions a step would keep). Read at every
     ``generate()`` call: a config changed since compile counts."""
@@ -252,7 +253,7 @@ def _generic(model: Any, own: Callable[[Any], bool], mu: Any, mixin: type) -> bo
     if (getattr(type(model), "prepare_inputs_for_generation", None)
             is not mixin.prepare_inputs_for_generation
             or getattr(type(model), "create_masks_for_generate", None) is not None
-            or (mine is not None and not hasattr(mine, UNSTEPPED))
+            or (mine is not None and not own(mine))
             or (masks is not None and not own(masks))):
         return False
     config = getattr(model, "config", None)

@@ -58,7 +58,7 @@ def quiet_call(model: Any, args: tuple, kwargs: dict[str, Any],
     if not _no_hooks(model):
         return False
     own = type(model)
-    if any(callable(v) and not _ours(ours, v) and not _bound_own(v, model, own, k)
+    if any(callable(v) and not ours(v) and not _bound_own(v, model, own, k)
            for k, v in vars(model).items()):
         return False
     classes = {type(o) for o in (model, *_cache_parts(kwargs.get("past_key_values")))}
@@ -78,13 +78,6 @@ def _no_hooks(model: Any) -> bool:
         return torch._C._len_torch_function_stack() == 0 and (
             torch._C._len_torch_dispatch_stack() == 0)
     except AttributeError:  # private names: unknown means "not quiet"
-        return False
-
-
-def _ours(ours: Callable[[Any], bool], v: Any) -> bool:
-    try:
-        return ours(v)
-    except TypeError:  # unhashable: not one of fxpass's functions
         return False
 
 

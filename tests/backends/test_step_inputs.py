@@ -224,7 +224,7 @@ def test_compile_for_generate_steps_and_keeps_eager_tokens(opts):
         model).prepare_inputs_for_generation
     assert run() == {"stepped": N - 3, "checked": 1, "off": 0}
     # read per call: a config given a window after compile is not stepped
-    own = generation._own_masks  # (the spelled-out prefill masks compile_for_generate sets)
+    own = generation._ours  # (the stepped inputs and spelled-out masks compile_for_generate sets)
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
     assert not inputs.can_step(model, own)
     model.config.layer_types = ["full_attention"] * len(model.config.layer_types)
@@ -245,3 +245,22 @@ def test_what_can_step_refuses(why):
     else:
         model.config._attn_implementation = "eager"
     assert not inputs.can_step(model)
+
+
+def test_a_callers_wrapper_of_the_stepped_inputs_is_the_callers():
+    """``functools.wraps`` copies the stepped function's markers onto a wrapper: fxpass's own
+    functions are told by identity, so the wrapper is not stepped through, and compiling again
+    keeps it instead of unwrapping it."""
+    model, _ = zoo.get("qwen3", layers=2, tokens=6)
+    generation.compile_for_generate(model, max_cache_len=32, device="ort")
+    stepped = model.prepare_inputs_for_generation
+    assert inputs.can_step(model, generation._ours)
+
+    @functools.wraps(stepped)
+    def mine(*args, **kwargs):
+        return stepped(*args, **kwargs)
+
+    model.prepare_inputs_for_generation = mine
+    assert not inputs.can_step(model, generation._ours)
+    generation.compile_for_generate(model, max_cache_len=32, device="ort")
+    assert vars(model)["prepare_inputs_for_generation"] is mine
