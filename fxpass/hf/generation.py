@@ -187,20 +187,15 @@ def _unstep(model: Any) -> None:
 def _ours(fn: Any) -> bool:
     """Whether ``fn`` (a function on a model instance) is one ``compile_for_generate`` set."""
     try:
-        return fn in _INSTALLED or _own_masks(fn)
+        return fn in _INSTALLED
     except TypeError:  # unhashable: not one of fxpass's functions
         return False
 
 
-#: the forward, generate and input functions ``compile_for_generate`` set on instances; by
-#: identity, since ``functools.wraps`` copies their marker attributes onto a caller's wrapper
+#: the forward, generate, input and mask functions ``compile_for_generate`` set on instances;
+#: by identity, since ``functools.wraps`` copies a marker attribute onto a caller's wrapper
 #: (accelerate's hooks wrap ``forward`` so; found in review)
 _INSTALLED: weakref.WeakSet = weakref.WeakSet()
-
-
-def _own_masks(fn: Any) -> bool:
-    """Whether ``fn`` (a model's instance ``create_masks_for_generate``) is fxpass's own."""
-    return fn in _SPELLED_OUT
 
 
 def _spell_out_masks(model: Any, state: _GenerateState) -> None:
@@ -210,17 +205,12 @@ def _spell_out_masks(model: Any, state: _GenerateState) -> None:
     own (Gemma 3, Bloom, PaliGemma, ...) keeps it, and compiles a first-chunk graph."""
     mine = vars(model).get("create_masks_for_generate")
     if getattr(type(model), "create_masks_for_generate", None) is not None or (
-            mine is not None and mine not in _SPELLED_OUT):
+            mine is not None and not _ours(mine)):
         return
     create = spelled_out_masks(lambda: state.prefill)
     if create is not None:
-        _SPELLED_OUT.add(create)
+        _INSTALLED.add(create)
         model.create_masks_for_generate = create
-
-
-#: the ``create_masks_for_generate`` functions ``_spell_out_masks`` installed; by identity,
-#: since an attribute would be copied onto a caller's ``functools.wraps`` of ours (review)
-_SPELLED_OUT: weakref.WeakSet = weakref.WeakSet()
 
 
 #: keys of torch.compile's ``options`` that torch itself consumes (not the backend's)
