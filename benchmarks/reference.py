@@ -51,10 +51,12 @@ SUITE: list[tuple[str, ...]] = [
      "breakdown splits a fxpass decode step into region, wrappers and HF's loop."),
     ("shapes", "shapes", 40,
      "16 BERT inputs (lengths 8-128, batch 1-4) and 6 ResNet image sizes: first pass with "
-     "compiles, warm pass after the background builds settle (median of 3), Dynamo graphs, "
+     "compiles, warm pass after the background builds settle (five rounds of an eager pass "
+     "then the contender's; warm vs eager is the median of the five ratios), Dynamo graphs, "
      "fxpass variants compiled, recompile warnings, values against eager, and work (tokens "
      "computed over tokens given: what padding adds). fxpass-exact is fxpass with a variant "
-     "bound as large as the inputs (no padding, no eviction). The memory table is RSS over "
+     "bound as large as the inputs (no padding, no eviction); fxpass-buckets-124 pads batches "
+     "to 1, 2 or 4 rows. The memory table is RSS over "
      "distinct lengths past the variant bound. See docs/shapes.md."),
     ("chat", "chat", 20,
      "SmolLM2-135M-Instruct (real weights) answering three chat prompts, greedy to its end "
