@@ -45,7 +45,7 @@ from torch.fx import GraphModule
 
 from fxpass import device as devices
 from fxpass._capture import SOURCE, mutated_inputs
-from fxpass.aot.runtime import ExportError, inplace, open_region, threads
+from fxpass.aot.runtime import ExportError, inplace, open_region, threads, untraceable
 from fxpass.graph import FROZEN, FROZEN_BUFFER
 from fxpass.jit.options import Options, from_options
 
@@ -160,8 +160,11 @@ def lower(
     t0 = time.perf_counter()
     say("torch.export (non-strict)")
     with torch.no_grad():
-        ep = torch.export.export(module, args, kwargs, strict=False)
-        gm, roles, flat_user = _aten_graph(ep, args, kwargs)
+        try:
+            ep = torch.export.export(module, args, kwargs, strict=False)
+            gm, roles, flat_user = _aten_graph(ep, args, kwargs)
+        except Exception as e:  # torch's tracer errors name neither the model nor the fix
+            raise untraceable(module, e) from e
     seconds["export"] = time.perf_counter() - t0
     say(f"rules, partition, lowering, region compile ({len(gm.graph.nodes)} nodes)")
     t1 = time.perf_counter()

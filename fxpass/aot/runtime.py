@@ -51,6 +51,32 @@ class ExportError(RuntimeError):
     """The model cannot be exported as asked; the message names the cause and the fix."""
 
 
+#: what torch says when a trace reads a tensor's value into Python (``.item()``, ``if t:``)
+_DATA_DEPENDENT = ("DataDependentOutputException", "GuardOnDataDependentSymNode", "aten.item",
+                   "_local_scalar_dense", "data-dependent")
+
+
+def untraceable(module: torch.nn.Module, e: Exception) -> ExportError:
+    """The :class:`ExportError` for a model whose forward torch.export (or the functional
+    re-trace after it) cannot trace, naming the model, torch's own first line and the fix.
+
+    Why: the error torch raises from deep inside its tracer (OPT's and BioGpt's static-cache
+    forwards read a length from a tensor) names neither the model nor what to do. The
+    compiled paths run the same models: Dynamo splits the graph where export cannot."""
+    model = getattr(module, "model", module)  # transformers' export wrapper holds the model
+    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    why = ("its forward reads a tensor's value into Python (data-dependent control flow: a "
+           "length or a position computed from a tensor), which a program of fixed shapes "
+           "cannot hold" if any(k in type(e).__name__ + str(e) for k in _DATA_DEPENDENT)
+           else "torch.export failed inside the model's own code")
+    return ExportError(
+        f"cannot export {type(model).__name__}: {why} ({text[:300]}). Fix: run it compiled "
+        "instead (torch.compile(model, backend=\"fxpass_ort\"), or compile_for_generate for "
+        "generate()), which falls back to eager where a graph cannot be traced; or change the "
+        "model's forward so that torch.export traces it (torch.export.export(model, args, "
+        "strict=False) shows the same error)")
+
+
 def runtime_graph(ep: ExportedProgram) -> GraphModule:
     """``ep``'s graph as a plain GraphModule over the flat user inputs, which writes the inputs
     it mutates in place and returns the user outputs; lifted constants become attributes.

@@ -134,6 +134,23 @@ def test_export_for_generate_refuses_bad_sizes():
         export_for_generate(model, max_cache_len=0, prefill_length=1)
 
 
+def test_a_model_torch_export_cannot_trace_names_itself_and_the_fix():
+    """OPT's static-cache forward reads a length out of a tensor (``.item()``), which
+    torch.export refuses deep inside its tracer; the error names the model and the compiled
+    path, with torch's own line kept."""
+    import transformers
+
+    from fxpass.aot.runtime import ExportError
+
+    cfg = transformers.OPTConfig(vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+                                 num_attention_heads=4, word_embed_proj_dim=64,
+                                 max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(cfg).eval()
+    with pytest.raises(ExportError, match=r"cannot export OPTForCausalLM: its forward reads a "
+                       r"tensor's value into Python.*aten\.item.*compile_for_generate"):
+        export_for_generate(model, max_cache_len=32, prefill_length=8, device="ort")
+
 @pytest.mark.slow
 def test_fresh_process_generates_hf_tokens_without_compiling(decoder, tmp_path):
     model, _, path, _ = decoder
