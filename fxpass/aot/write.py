@@ -89,7 +89,7 @@ class _WeightsFile:
 
 
 def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous().cpu()
+    t = t.detach().contiguous().cpu().reshape(-1)  # a 0-dim weight has no bytes view
     return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 

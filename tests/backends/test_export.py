@@ -196,6 +196,26 @@ def test_export_refuses_a_model_that_writes_its_buffers():
         export(Counter(), (torch.ones(4),))
 
 
+
+@pytest.mark.parametrize("device", ["ort", "bpu"])
+def test_a_zero_dim_weight_round_trips(device, tmp_path):
+    """Scalar parameters and buffers (Apertus' xIELU keeps its beta and eps as 0-dim buffers)
+    are weights like any other: saving one once failed on viewing a 0-dim tensor as bytes."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(16, 16)
+            self.alpha = torch.nn.Parameter(torch.tensor(1.75))
+            self.register_buffer("eps", torch.tensor(-1e-6))
+
+        def forward(self, x):  # minimum has no Scalar overload: eps stays a tensor weight
+            return torch.expm1(torch.minimum(self.lin(x), self.eps)) * self.alpha
+
+    model, x = Scaled().eval(), torch.randn(2, 16)
+    path = export(model, (x,), device=device).save(tmp_path / "p")
+    got, want = load(path)(x), model(x)
+    assert torch.allclose(got, want, **TOL), (got - want).abs().max()
 def test_a_region_program_called_without_load_names_the_fix(bert_package, tmp_path):
     """torch.export.load alone gives a program whose regions are not open: a clear error."""
     from fxpass.aot import runtime as export_mod
