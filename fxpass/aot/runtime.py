@@ -61,16 +61,32 @@ def untraceable(module: torch.nn.Module, e: Exception) -> ExportError:
     re-trace after it) cannot trace, naming the model, torch's own first line and the fix.
 
     Why: the error torch raises from deep inside its tracer (OPT's and BioGpt's static-cache
-    forwards read a length from a tensor) names neither the model nor what to do. The
-    compiled paths run the same models: Dynamo splits the graph where export cannot."""
+    forwards read a length from a tensor; GPT-2 and every encoder-decoder return their cache
+    object unless told not to) names neither the model nor what to do."""
+    import re
+
     model = getattr(module, "model", module)  # transformers' export wrapper holds the model
-    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = f"{type(e).__name__}: {first}"[:300]
+    name = type(model).__name__
+    returned = re.search(r"Found <class '([\w.]+)'> in output", first)
+    if returned and returned.group(1).endswith("Cache"):
+        return ExportError(
+            f"cannot export {name}: its call returns a transformers cache "
+            f"({returned.group(1).rsplit('.', 1)[-1]}), which a program of tensors cannot "
+            f"return ({text}). Fix: pass use_cache=False with the inputs (export(model, args, "
+            "{..., 'use_cache': False})); to generate, use export_for_generate")
+    if returned:
+        return ExportError(
+            f"cannot export {name}: its call returns a {returned.group(1)}, which torch's "
+            f"pytree does not know ({text}). Fix: return tensors, tuples, lists or dicts, or "
+            "register the type with torch.utils._pytree.register_pytree_node")
     why = ("its forward reads a tensor's value into Python (data-dependent control flow: a "
            "length or a position computed from a tensor), which a program of fixed shapes "
            "cannot hold" if any(k in type(e).__name__ + str(e) for k in _DATA_DEPENDENT)
            else "torch.export failed inside the model's own code")
     return ExportError(
-        f"cannot export {type(model).__name__}: {why} ({text[:300]}). Fix: run it compiled "
+        f"cannot export {name}: {why} ({text}). Fix: run it compiled "
         "instead (torch.compile(model, backend=\"fxpass_ort\"), or compile_for_generate for "
         "generate()), which falls back to eager where a graph cannot be traced; or change the "
         "model's forward so that torch.export traces it (torch.export.export(model, args, "

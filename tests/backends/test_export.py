@@ -197,6 +197,27 @@ def test_export_refuses_a_model_that_writes_its_buffers():
 
 
 
+def test_a_model_that_returns_its_cache_names_use_cache_false():
+    """GPT-2 (and every HF encoder-decoder) returns its cache object unless told not to;
+    torch.export refuses that type deep inside its tracer. The error names the fix, and the
+    fix works."""
+    import transformers
+
+    from fxpass.aot.runtime import ExportError
+
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(
+        vocab_size=512, n_embd=64, n_layer=1, n_head=4, n_positions=64)).eval()
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ExportError, match=r"cannot export GPT2Model: its call returns a "
+                       r"transformers cache \(DynamicCache\).*use_cache': False"):
+        export(model, (), {"input_ids": ids}, device="ort")
+    program = export(model, (), {"input_ids": ids, "use_cache": False}, device="ort")
+    got = program(input_ids=ids, use_cache=False).last_hidden_state
+    want = model(input_ids=ids, use_cache=False).last_hidden_state
+    assert torch.allclose(got, want, **TOL), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("device", ["ort", "bpu"])
 def test_a_zero_dim_weight_round_trips(device, tmp_path):
     """Scalar parameters and buffers (Apertus' xIELU keeps its beta and eps as 0-dim buffers)
