@@ -206,13 +206,15 @@ def _tied():
     # onnxruntime's quantizer writes GatherBlockQuantized in int4 only
     pytest.param("w8", True, 0, marks=pytest.mark.slow),
 ])
-def test_a_tied_embedding_is_stored_in_int4_blocks(opts, q, tied, tables):
+def test_a_tied_embedding_is_stored_in_int4_blocks(opts, q, tied, tables, caplog):
     model, kw = _tied() if tied else _model()
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("WARNING"):
         want = model(**kw).logits
         c = torch.compile(model, backend="fxpass_ort", options={**opts, "quantize": q})
         got = c(**kw).logits
     assert _cosine(got, want) >= FLOORS[q]
+    # onnxruntime's note that it raises the IR version for int4 tables is not the user's
+    assert not [r for r in caplog.records if "version of the input model" in r.getMessage()]
     fusions = fxpass.compile_reports()[-1].regions[0].fusions
     assert fusions.get("gather_block_quantized") == tables, fusions
     assert fusions.get("shared_tables") == tables, fusions  # one copy of the blocks
