@@ -7,9 +7,12 @@ them). Nothing is packed here: the quantizer wrote both. The lookup is pointed a
 uint8 blocks (through a ``Reshape``; a row padded to whole blocks is sliced back), scales and
 zero points, and its own copy dropped, only when
 
-- the two hold the same values: equal scales and zero points, and equal codes (asymmetric:
-  but for a rounding tie that the quantizer's two paths, C++ for a MatMul and numpy for a
-  Gather, can break apart, a code one step off; the lookup then reads the head's rounding);
+- the two hold the same values: equal scales and zero points, and equal codes but for the
+  rounding ties that the quantizer's two paths (C++ for a MatMul, numpy for a Gather) break
+  apart, a code one step off; the lookup then reads the head's rounding. Weights that came
+  from a 4-bit grid tie often: SmolLM2's (GGUF Q4_1) differ so in 133 of 28 million codes at
+  block 128 (none at 32), which kept the table's own copy, 8 MB, before ties were allowed for
+  symmetric blocks too;
 - and this onnxruntime gives the same lookups from the head's blocks as from the table's own,
   on a sample of rows (reading uint8 blocks, uint8 zero points and padded rows in a
   ``GatherBlockQuantized`` came in successive onnxruntime releases; an older one raises or
@@ -28,6 +31,8 @@ import onnx
 
 #: rows of a table checked through onnxruntime before its copy is dropped
 SAMPLE_ROWS = 64
+#: at most one looked-up value in this many may differ from the table's own (a rounding tie)
+TIES = 1000
 
 
 def share_tied_tables(model: onnx.ModelProto) -> int:
@@ -81,12 +86,12 @@ def _same_values(node: onnx.NodeProto, head: onnx.NodeProto,
     scales = arr(inits[head.input[2]])
     if not np.array_equal(scales.reshape(rows, -1), arr(inits[node.input[2]])):
         return False
-    # symmetric: int4 codes against MatMulNBits' implicit zero point 8, exactly
+    # symmetric: int4 codes against MatMulNBits' implicit zero point 8; a tie one step off
     diff = codes(arr(inits[head.input[1]]), cols).astype(np.int16) - (
         8 if zp is None else 0) - arr(data).astype(np.int16)
-    if zp is None:
-        return not diff.any()
-    return bool(np.abs(diff).max() <= 1) and np.array_equal(
+    if np.abs(diff).max(initial=0) > 1:
+        return False
+    return zp is None or np.array_equal(
         codes(arr(inits[hzp]), scales.size // rows), arr(inits[zp]).astype(np.int16))
 
 
@@ -116,7 +121,7 @@ def _shared_nodes(node: onnx.NodeProto, head: onnx.NodeProto, blocks: onnx.Tenso
 def _same_lookups(node: onnx.NodeProto, head: onnx.NodeProto,
                   inits: dict[str, onnx.TensorProto]) -> bool:
     """This onnxruntime looks up the same rows (a sample) from the head's blocks as from the
-    table's own: exactly when symmetric, within one step (a block's scale) when not."""
+    table's own, within one step (a block's scale: the rounding ties above)."""
     import onnxruntime as ort
 
     data = inits[node.input[0]]
@@ -143,10 +148,10 @@ def _same_lookups(node: onnx.NodeProto, head: onnx.NodeProto,
         a, b = sess.run(["own", "shared"], {"ids": ids})
     except Exception:  # noqa: BLE001 - an onnxruntime that cannot read them so: keep the copy
         return False
-    if _zero_points(node) is None:
-        return bool(np.array_equal(a, b))
     step = float(np.abs(onnx.numpy_helper.to_array(inits[node.input[2]])).max())
-    return a.shape == b.shape and bool(np.abs(a - b).max() <= step * (1 + 1e-6))
+    # ties are rare: a layout that reads other codes differs almost everywhere
+    return a.shape == b.shape and bool(np.abs(a - b).max() <= step * (1 + 1e-6)) and (
+        np.count_nonzero(a != b) <= max(1, a.size // TIES))
 
 
 def _read_head(model: onnx.ModelProto, node: onnx.NodeProto, head: onnx.NodeProto,
