@@ -39,6 +39,13 @@ BITS = {"w8": 8, "w4": 4}
 #: GPTQ (onnxruntime's bundled neural-compressor port) needs calibration data, and AWQ needs
 #: NVIDIA's modelopt, which is not a dependency.
 ALGORITHMS = ("rtn", "hqq")
+#: measured (``python -m benchmarks.probes.w4_quality``, SmolLM2-135M, onnxruntime 1.31): HQQ's
+#: float zero points have no fast MatMulNBits CPU kernel, whatever the accuracy level
+HQQ_SLOW = (
+    "algorithm='hqq': onnxruntime's CPU MatMulNBits has no fast kernel for HQQ's float zero "
+    "points: SmolLM2-135M decoded at 124-147 ms/token against 4.7-6.3 with 'rtn' (20-26x), in "
+    "2.3-2.5x the bytes. Use it to measure what better int4 rounding buys; deploy 'rtn' "
+    "(docs/quantization.md, 'Quality')")
 #: MatMulNBits' accuracy levels: 0 unset (the kernel's own choice), 1 fp32, 2 fp16, 3 bf16,
 #: 4 int8 activations (the fast CPU path, GenAI's default for int4 on CPU)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
@@ -225,6 +232,7 @@ def quantize_model(model: onnx.ModelProto, cfg: WeightOnly) -> tuple[onnx.ModelP
         lookups = []
     take, merged = pack_siblings(model, take)
     if cfg.algorithm == "hqq":
+        warnings.warn(HQQ_SLOW, stacklevel=2)
         algo = mnb.HQQWeightOnlyQuantConfig(block_size=cfg.block_size, bits=cfg.bits)
     else:
         algo = mnb.DefaultWeightOnlyQuantConfig(

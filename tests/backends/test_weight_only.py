@@ -61,6 +61,24 @@ def test_weight_only_logits_and_report(opts, q):
     assert top1 >= (0.9 if q == "w8" else 0.6), top1
 
 
+def test_hqq_quantizes_and_says_it_is_slow_here(opts):
+    """algorithm='hqq' runs (onnxruntime's half-quadratic quantizer: float zero points) and
+    gives the float model's logits within int4's floor, with a warning that this
+    onnxruntime has no fast CPU kernel for it (measured 20-26x slower decode)."""
+    from fxpass.backends.onnx.weight_only import HQQ_SLOW
+
+    model, kw = _model()
+    with torch.no_grad(), pytest.warns(UserWarning, match="no fast kernel for HQQ"):
+        want = model(**kw).logits
+        got = torch.compile(model, backend="fxpass_ort",
+                            options={**opts, "quantize": "w4", "algorithm": "hqq"})(**kw).logits
+    assert "20-26x" in HQQ_SLOW
+    assert _cosine(got, want) >= FLOORS["w4"]
+    assert not torch.equal(got, want)
+    fusions = fxpass.compile_reports()[-1].regions[0].fusions
+    assert fusions.get("matmul_nbits_w4") == _large_linears(model), fusions
+
+
 def test_small_weights_stay_float_with_a_note(opts):
     model, kw = zoo.get("qwen3", hidden=64)  # k/v projections: 64 x 32 < MIN_ELEMENTS
     with torch.no_grad():
