@@ -319,6 +319,18 @@ def test_a_tied_table_shares_the_lm_heads_blocks(monkeypatch, cols, block, symme
     assert np.abs(e - table[::-1]).max() <= step  # still the table, within int4 rounding
 
 
+def _unshared(monkeypatch, cols: int):
+    """A tied table and head quantized w4 each on its own (sharing off): the model, its
+    initializers, the lookup and the head."""
+    monkeypatch.setattr(tied_tables, "share_tied_tables", lambda m: 0)
+    q, _ = weight_only.quantize_model(_tied_onnx(300, cols)[0], weight_only.resolve("w4"))
+    monkeypatch.undo()
+    inits = {t.name: t for t in q.graph.initializer}
+    gather = next(n for n in q.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in q.graph.node if n.op_type == "MatMulNBits")
+    return q, inits, gather, head
+
+
 def test_a_table_is_shared_only_with_its_own_blocks(monkeypatch):
     """The check is the codes, not the shapes: an untied head of the same shape keeps the
     table float (GenAI's choice for an untied lookup), and blocks that differ by more than
@@ -329,12 +341,7 @@ def test_a_table_is_shared_only_with_its_own_blocks(monkeypatch):
     _, summary = weight_only.quantize_model(_tied_onnx(300, 512, head=head)[0],
                                             weight_only.resolve("w4"))
     assert summary["shared_tables"] == 0 and summary["gather_block_quantized"] == 0
-    monkeypatch.setattr(tied_tables, "share_tied_tables", lambda m: 0)
-    q, _ = weight_only.quantize_model(_tied_onnx(300, 512)[0], weight_only.resolve("w4"))
-    monkeypatch.undo()
-    inits = {t.name: t for t in q.graph.initializer}
-    gather = next(n for n in q.graph.node if n.op_type == "GatherBlockQuantized")
-    head = next(n for n in q.graph.node if n.op_type == "MatMulNBits")
+    q, inits, gather, head = _unshared(monkeypatch, 512)
     assert tied_tables._same_lookups(gather, head, inits)  # what onnxruntime reads agrees
     t = inits[head.input[1]]
     raw = bytearray(t.raw_data)
@@ -355,12 +362,7 @@ def test_a_rounding_tie_one_step_off_still_shares_the_blocks(monkeypatch):
     one step of its own); codes off everywhere are another quantization and keep the copy."""
     import numpy as np
 
-    monkeypatch.setattr(tied_tables, "share_tied_tables", lambda m: 0)
-    q, _ = weight_only.quantize_model(_tied_onnx(300, 576)[0], weight_only.resolve("w4"))
-    monkeypatch.undo()
-    inits = {t.name: t for t in q.graph.initializer}
-    gather = next(n for n in q.graph.node if n.op_type == "GatherBlockQuantized")
-    head = next(n for n in q.graph.node if n.op_type == "MatMulNBits")
+    q, inits, gather, head = _unshared(monkeypatch, 576)
     t = inits[head.input[1]]
     raw = bytearray(t.raw_data)
     raw[7] ^= 0x01  # one code one step off (a tie broken the other way)
