@@ -64,7 +64,7 @@ def test_weight_only_logits_and_report(opts, q):
 def test_hqq_quantizes_and_says_it_is_slow_here(opts):
     """algorithm='hqq' runs (onnxruntime's half-quadratic quantizer: float zero points) and
     gives the float model's logits within int4's floor, with a warning that this
-    onnxruntime has no fast CPU kernel for it (measured 20-26x slower decode)."""
+    onnxruntime has no fast CPU kernel for it (measured 20-34x slower decode)."""
     from fxpass.backends.onnx.weight_only import HQQ_SLOW
 
     model, kw = _model()
@@ -72,7 +72,7 @@ def test_hqq_quantizes_and_says_it_is_slow_here(opts):
         want = model(**kw).logits
         got = torch.compile(model, backend="fxpass_ort",
                             options={**opts, "quantize": "w4", "algorithm": "hqq"})(**kw).logits
-    assert "20-26x" in HQQ_SLOW
+    assert "20-34x" in HQQ_SLOW
     assert _cosine(got, want) >= FLOORS["w4"]
     assert not torch.equal(got, want)
     fusions = fxpass.compile_reports()[-1].regions[0].fusions
