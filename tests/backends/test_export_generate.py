@@ -250,3 +250,19 @@ def test_a_decoder_too_small_for_regions_stores_each_weight_once(tmp_path):
     assert stored <= 1.1 * weights, (stored, weights)  # page alignment: a few % at most
     total = sum(f.stat().st_size for f in path.iterdir())
     assert total <= 1.5 * weights, (total, weights)
+
+
+def test_a_bf16_decoder_generates_greedily_from_its_package(tmp_path):
+    """A bf16 checkpoint's package returns bf16 logits (the dtype eager gives), which numpy,
+    where the greedy loop takes its argmax, cannot hold: the loop reads them as float32
+    (exact). Greedy tokens equal eager's bf16 static-cache ones on this seeded model (the
+    ort region computes in float32, so equality is checked, not promised, token by token)."""
+    model, _ = zoo.get("qwen3")
+    model = model.to(torch.bfloat16)
+    program = export_for_generate(model, max_cache_len=CACHE, prefill_length=CHUNK,
+                                  device="ort")
+    runner = load(program.save(tmp_path / "bf16"))
+    ids = _prompt(6)
+    got = runner.generate(ids, max_new_tokens=4, eos_token_id=[])
+    want = _hf(model, ids, 4, min_new=4)
+    assert torch.equal(got, want), (got, want)
