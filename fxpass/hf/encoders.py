@@ -73,6 +73,91 @@ def _pad_id(model: torch.nn.Module) -> int:
     return getattr(getattr(model, "config", None), "pad_token_id", None) or 0
 
 
+#: dtype -> (rtol, atol) within which padded and unpadded eager outputs count as equal: the
+#: same math at another shape (other kernels, other summation orders), nothing more
+_PAD_TOL = {torch.float32: (1e-3, 1e-4), torch.float64: (1e-6, 1e-8)}
+
+
+def check_padding(model: torch.nn.Module, spec: dict[str, list[int]], pad_id: int,
+                  who: str) -> None:
+    """Refuse a model whose outputs at real tokens change when its inputs are padded as the
+    buckets pad them: run eagerly once as given and once padded (then cut back), on a probe
+    of two rows (one with masked tokens) shorter than a bucket.
+
+    Why: padding is exact only for encoders whose real tokens cannot see pad tokens (module
+    doc). ConvBERT's convolution over the sequence and Funnel's pooling do see them: buckets
+    gave their real tokens 0.026 and 1.1 off eager, with no error. Outputs at tokens the
+    caller masked are not compared (:func:`_at_real_tokens`). A model the probe cannot run
+    is compiled unchecked, with a warning."""
+    cfg = getattr(model, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0) or 100
+    seq = spec.get("seq", [16])
+    n = next((m for m in ((lo + 1 + hi) // 2 for lo, hi in zip([0, *seq], seq, strict=False))
+              if m < _pick(seq, m)), seq[0])
+    rows = next((r for r in range(1, spec.get("batch", [2])[-1] + 1)
+                 if (_pick(spec.get("batch", []), r) or r) > r), 2)
+    g = torch.Generator().manual_seed(0)
+    kw = {"input_ids": torch.randint(min(3, vocab - 1), vocab, (rows, n), generator=g),
+          "attention_mask": torch.ones(rows, n, dtype=torch.long)}
+    kw["attention_mask"][-1, n - max(1, n // 4):] = 0 if n > 1 else 1
+    if "token_type_ids" in inspect.signature(model.forward).parameters:
+        kw["token_type_ids"] = torch.zeros(rows, n, dtype=torch.long)
+
+    def padded(kw: dict[str, Any]) -> Any:
+        kw, size, _ = pad_inputs(kw, spec, pad_id)
+        return _slice(model(**kw), size)
+
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want, got = model(**kw), by_rows(padded, kw, spec)
+    except Exception as e:  # noqa: BLE001 - the probe's inputs, not the caller's: warn
+        warnings.warn(f"{who}: could not check that padding leaves {type(model).__name__}'s "
+                      f"outputs unchanged ({type(e).__name__}: {e}); buckets are exact only "
+                      "for encoders whose real tokens never see a pad token", stacklevel=3)
+        return
+    finally:
+        model.train(was)
+    from torch.utils._pytree import tree_leaves
+
+    real = kw["attention_mask"].bool()
+    for a, b in zip(tree_leaves(got), tree_leaves(want), strict=False):
+        if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+            continue
+        if a.shape == b.shape:
+            a, b = _at_real_tokens(a, real), _at_real_tokens(b, real)
+        rtol, atol = _PAD_TOL.get(b.dtype, (3e-2, 3e-2))
+        if a.shape != b.shape:
+            why = (f"an output is {tuple(a.shape)} padded against eager's {tuple(b.shape)}: "
+                   "its token dimension is one the buckets cannot cut back (XLNet's "
+                   "time-major memories, say)")
+        elif not torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol):
+            why = (f"its real tokens are {(a.float() - b.float()).abs().max().item():.3g} off "
+                   "eager: they see the pad tokens (a convolution or pooling over the "
+                   "sequence, say)")
+        else:
+            continue
+        raise ValueError(
+            f"{who}: padding changes {type(model).__name__}'s outputs (padding {n} tokens "
+            f"to {_pick(seq, n)}): {why}, so buckets would give wrong answers. Fix: serve it "
+            "without buckets: torch.compile(model, backend=\"fxpass_ort\") compiles one "
+            "variant per shape (options max_shape_variants bounds them)")
+
+
+def _at_real_tokens(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``x``'s values at the tokens the mask ``real`` (rows, tokens) keeps: per-token
+    outputs at real tokens, attentions between real tokens, anything else whole. What a
+    model puts at a token its caller masked is not an answer (DeBERTa-v2's there differ with
+    the padded length; its real tokens do not)."""
+    rows, n = real.shape
+    if x.dim() >= 2 and tuple(x.shape[:2]) == (rows, n):
+        return x[real]
+    if x.dim() == 4 and x.shape[0] == rows and tuple(x.shape[-2:]) == (n, n):
+        return x[(real[:, None, :, None] & real[:, None, None, :]).expand(x.shape)]
+    return x
+
+
 def _pick(sizes: list[int], n: int) -> int | None:
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
@@ -206,6 +291,7 @@ def compile_for_encoder(
     opts = from_options(options, device)
     spec = check_buckets(buckets)
     pad_id = _pad_id(model)
+    check_padding(model, spec, pad_id, "compile_for_encoder")
     forward = model.forward
     compiled = torch.compile(forward, backend=f"fxpass_{opts.device}", dynamic=True,
                              options={k: v for k, v in (options or {}).items() if k != "device"})
@@ -281,6 +367,7 @@ def export_for_encoder(
     if "seq" not in spec:
         raise ValueError("export_for_encoder needs buckets['seq'] (the lengths to export)")
     pad_id = _pad_id(model)
+    check_padding(model, spec, pad_id, "export_for_encoder")
     opts = export_options(options, device)
     calib = quantized.check_calibration(opts, calibration, "export_for_encoder()")
     say = reporter(progress)

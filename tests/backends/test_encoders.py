@@ -175,3 +175,47 @@ def test_chunks_whose_output_has_no_row_dimension_are_refused():
         by_rows(lambda kw: {"loss": torch.tensor(1.0)}, kw, {"batch": [2]})
     joined = by_rows(lambda kw: (kw["input_ids"] + 1, None), kw, {"batch": [2]})
     assert torch.equal(joined[0], torch.ones(3, 4, dtype=torch.long)) and joined[1] is None
+
+
+@pytest.mark.parametrize(("family", "config"), [
+    ("ConvBert", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      intermediate_size=128, max_position_embeddings=128)),  # a convolution
+    ("Funnel", dict(d_model=64, n_head=4, d_head=16, d_inner=128, block_sizes=[1, 1])),  # pools
+])
+def test_a_model_whose_tokens_see_the_padding_is_refused(family, config):
+    """Buckets are exact only where pad tokens are invisible to real ones; a model where they
+    are not gave its real tokens wrong values with no error. Both entry points refuse it,
+    naming the fix; the same check passes BERT (above)."""
+    import transformers
+
+    from fxpass.hf.encoders import export_for_encoder
+
+    cfg = getattr(transformers, f"{family}Config")(vocab_size=512, **config)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}Model")(cfg).eval()
+    why = rf"padding changes {family}Model's outputs.*real tokens are .* off eager.*torch\.compile"
+    with pytest.raises(ValueError, match="compile_for_encoder: " + why):
+        compile_for_encoder(model, buckets={"seq": [16, 32]}, device="ort")
+    with pytest.raises(ValueError, match="export_for_encoder: " + why):
+        export_for_encoder(model, buckets={"seq": [16, 32], "batch": [1, 4]}, device="ort")
+
+
+def test_what_a_model_puts_at_masked_tokens_is_not_compared(opts):
+    """DeBERTa-v2's outputs at tokens the caller masked change with the padded length, its
+    real tokens' do not: buckets serve it, real tokens equal eager's (rtol = atol = 1e-4)."""
+    import transformers
+
+    cfg = transformers.DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=128,
+                                       max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(cfg).eval()
+    ids = torch.randint(3, 500, (2, 13), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        c = compile_for_encoder(model, buckets={"seq": [16, 32]}, options=opts, device="ort")
+        got = c(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert torch.allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
