@@ -88,6 +88,21 @@ def smollm2() -> tuple[torch.nn.Module, Any, torch.Tensor]:
     return model, tok, ids
 
 
+def model_and_text(name: str) -> tuple[torch.nn.Module, Any, torch.Tensor, torch.Tensor]:
+    """The model, its tokenizer (None for a random-weight one), its prompt and the
+    :data:`POSITIONS` tokens quality is measured on (SmolLM2: ``benchmarks/data/sample.txt``;
+    the others: seeded random ids)."""
+    if name == "smollm2":
+        model, tokenizer, ids = smollm2()
+        text = tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"][:, :POSITIONS]
+    else:
+        (model, ids), tokenizer = _build(name), None
+        text = torch.randint(0, model.config.vocab_size, (1, POSITIONS),
+                             generator=torch.Generator().manual_seed(1))
+    assert text.shape[1] == POSITIONS, "benchmarks/data/sample.txt is too short"
+    return model, tokenizer, ids, text
+
+
 def _package(model: Any, max_len: int, options: dict, tmp: Path, name: str) -> dict:
     from fxpass.aot.export import export_for_generate
     from fxpass.aot.package import load
@@ -172,15 +187,7 @@ def _first_token(load: Any, ids: torch.Tensor) -> float:
 def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
               quick: bool = False) -> dict:
     torch._dynamo.reset()  # one process, several models: a Llama's JIT graphs must not count
-    tokenizer = None       # against the next Llama's recompile limit (it would run eager)
-    if name == "smollm2":
-        model, tokenizer, ids = smollm2()
-        text = tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"][:, :POSITIONS]
-    else:
-        model, ids = _build(name)
-        text = torch.randint(0, model.config.vocab_size, (1, POSITIONS),
-                             generator=torch.Generator().manual_seed(1))
-    assert text.shape[1] == POSITIONS, "benchmarks/data/sample.txt is too short"
+    model, tokenizer, ids, text = model_and_text(name)  # against the next one's recompile limit
     prompt = ids.shape[1]
     max_len = -(-max(prompt + max(new_tokens) + 1, POSITIONS) // CHUNK) * CHUNK
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

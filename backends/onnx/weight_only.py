@@ -40,10 +40,10 @@ BITS = {"w8": 8, "w4": 4}
 #: NVIDIA's modelopt, which is not a dependency.
 ALGORITHMS = ("rtn", "hqq")
 #: measured (``python -m benchmarks.probes.w4_quality``, SmolLM2-135M, onnxruntime 1.31): HQQ's
-#: float zero points have no fast MatMulNBits CPU kernel, whatever the accuracy level
+#: float zero points have no fast MatMulNBits CPU kernel
 HQQ_SLOW = (
     "algorithm='hqq': onnxruntime's CPU MatMulNBits has no fast kernel for HQQ's float zero "
-    "points: SmolLM2-135M decoded at 124-155 ms/token against 4.6-6.3 with 'rtn' (20-34x), in "
+    "points: SmolLM2-135M decoded at 142-155 ms/token against 4.6-6.3 with 'rtn' (23-34x), in "
     "2.3-2.5x the bytes. Use it to measure what better int4 rounding buys; deploy 'rtn' "
     "(docs/quantization.md, 'Quality')")
 #: MatMulNBits' accuracy levels: 0 unset (the kernel's own choice), 1 fp32, 2 fp16, 3 bf16,

@@ -46,10 +46,9 @@ def _model(family: str) -> tuple[torch.nn.Module, str]:
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
+    from benchmarks.architectures import _flat
 
-    out = out.to_tuple() if hasattr(out, "to_tuple") else out
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in _flat(out) if t.is_floating_point()]
 
 
 def _outcome(e: Exception) -> str:

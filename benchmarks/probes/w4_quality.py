@@ -49,26 +49,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _inputs(name: str) -> tuple[torch.nn.Module, Any, torch.Tensor, torch.Tensor]:
-    from benchmarks import weight_only as W
-    from benchmarks.generate import _build
-
-    if name == "smollm2":
-        model, tok, ids = W.smollm2()
-        text = tok(W.TEXT.read_text(), return_tensors="pt")["input_ids"][:, :W.POSITIONS]
-        return model, tok, ids, text
-    model, ids = _build(name)
-    text = torch.randint(0, model.config.vocab_size, (1, W.POSITIONS),
-                         generator=torch.Generator().manual_seed(1))
-    return model, None, ids, text
-
-
 def measure(name: str, blocks: list[int], repeats: int) -> list[dict[str, Any]]:
     from benchmarks import weight_only as W
     from benchmarks.generate import GenAI
 
     torch._dynamo.reset()
-    model, tok, ids, text = _inputs(name)
+    model, tok, ids, text = W.model_and_text(name)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     max_len = -(-max(ids.shape[1] + 34, W.POSITIONS) // W.CHUNK) * W.CHUNK
     with torch.no_grad():

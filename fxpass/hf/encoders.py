@@ -92,10 +92,8 @@ def check_padding(model: torch.nn.Module, spec: dict[str, list[int]], pad_id: in
     cfg = getattr(model, "config", None)
     vocab = int(getattr(cfg, "vocab_size", 0) or 0) or 100
     seq = spec.get("seq", [16])
-    n = next((m for m in ((lo + 1 + hi) // 2 for lo, hi in zip([0, *seq], seq, strict=False))
-              if m < _pick(seq, m)), seq[0])
-    rows = next((r for r in range(1, spec.get("batch", [2])[-1] + 1)
-                 if (_pick(spec.get("batch", []), r) or r) > r), 2)
+    n = _padded(seq, middle=True) or seq[0]  # several tokens padded
+    rows = _padded(spec.get("batch", []), middle=False) or 2  # a row padded, if any is
     g = torch.Generator().manual_seed(0)
     kw = {"input_ids": torch.randint(min(3, vocab - 1), vocab, (rows, n), generator=g),
           "attention_mask": torch.ones(rows, n, dtype=torch.long)}
@@ -143,6 +141,18 @@ def check_padding(model: torch.nn.Module, spec: dict[str, list[int]], pad_id: in
             f"to {_pick(seq, n)}): {why}, so buckets would give wrong answers. Fix: serve it "
             "without buckets: torch.compile(model, backend=\"fxpass_ort\") compiles one "
             "variant per shape (options max_shape_variants bounds them)")
+
+
+def _padded(sizes: list[int], middle: bool) -> int | None:
+    """The first size that ``sizes`` pad up to a bucket (``middle``: halfway into that
+    bucket rather than just past the one below), or None when none is padded."""
+    low = 0
+    for high in sizes:
+        m = (low + 1 + high) // 2 if middle else low + 1
+        if m < high:
+            return m
+        low = high
+    return None
 
 
 def _at_real_tokens(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:

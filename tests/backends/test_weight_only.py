@@ -64,15 +64,12 @@ def test_weight_only_logits_and_report(opts, q):
 def test_hqq_quantizes_and_says_it_is_slow_here(opts):
     """algorithm='hqq' runs (onnxruntime's half-quadratic quantizer: float zero points) and
     gives the float model's logits within int4's floor, with a warning that this
-    onnxruntime has no fast CPU kernel for it (measured 20-34x slower decode)."""
-    from fxpass.backends.onnx.weight_only import HQQ_SLOW
-
+    onnxruntime has no fast CPU kernel for it (``benchmarks.probes.w4_quality``)."""
     model, kw = _model()
     with torch.no_grad(), pytest.warns(UserWarning, match="no fast kernel for HQQ"):
         want = model(**kw).logits
         got = torch.compile(model, backend="fxpass_ort",
                             options={**opts, "quantize": "w4", "algorithm": "hqq"})(**kw).logits
-    assert "20-34x" in HQQ_SLOW
     assert _cosine(got, want) >= FLOORS["w4"]
     assert not torch.equal(got, want)
     fusions = fxpass.compile_reports()[-1].regions[0].fusions
