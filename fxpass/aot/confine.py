@@ -151,7 +151,10 @@ def check_external_data(root: Path, model: Path, listed: dict[str, Any]) -> None
         raise ConfinementError(f"{model}: not a readable ONNX model ({e}); the package was "
                                "edited: export it again") from None
     base = model.parent.relative_to(root).as_posix()
+    first = {}  # each location once (a model names one file for hundreds of tensors)
     for tensor, location in refs:
+        first.setdefault(location, tensor)
+    for location, tensor in first.items():
         rel = location if base == "." else f"{base}/{location}"
         member(root, rel, f"region model {model.name}, tensor {tensor!r}'s external data",
                listed)

@@ -36,13 +36,15 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from torch.fx import GraphModule
 
 from fxpass.aot.confine import (
     PackageError,
@@ -234,7 +236,7 @@ class LoadedProgram:
 
     def __init__(self, root: Path, name: str, spec: dict[str, Any], weights: np.memmap,
                  state: dict[str, torch.Tensor]):
-        from fxpass.aot.runtime import bind, threads
+        from fxpass.aot.runtime import threads
 
         self.path, self.name, self.spec = root, name, spec
         self.weights = [
@@ -254,7 +256,9 @@ class LoadedProgram:
         # imports Dynamo, 1.3 s of a fresh process; the .pt2 is the portable copy
         graph = json.loads((root / spec["graph"]).read_bytes())
         check_graph(graph, str(root / spec["graph"]))  # before decode resolves any name
-        self.gm = bind(plan.decode(graph, (root / spec["consts"]).read_bytes(), {}))
+        #: region calls still go through the custom op until ``streamline`` binds them: this
+        #: runs while the regions' executors open (``open_package``)
+        self.gm = plan.decode(graph, (root / spec["consts"]).read_bytes(), {})
         phs = [n.name for n in self.gm.graph.find_nodes(op="placeholder")]
         n_w = len(self.weights)
         #: state name -> its placeholder in the runtime graph
@@ -274,18 +278,21 @@ class LoadedProgram:
         return {by_ph[ph] for ph in state_reads(self.gm, list(by_ph))}
 
     def streamline(self, unread: set[str]) -> None:
-        """The per-call fast path (``aot.writes``, ``aot.memo``): no write into state that
-        no program of the package reads, the cache writes fused, the position-only ops
-        memoized."""
+        """The per-call fast path, once the regions are open (``aot.runtime.bind``,
+        ``aot.writes``, ``aot.memo``): region calls bound to their executors, no write into
+        state that no program of the package reads, the cache writes fused, the
+        position-only ops memoized. The graph's code is generated once, at the end."""
         from fxpass.aot.memo import memoize_inputs
-        from fxpass.aot.runtime import region_executor
+        from fxpass.aot.runtime import bind, region_executor
         from fxpass.aot.writes import drop_writes, fuse_index_writes, grant_in_place
 
-        drop_writes(self.gm, {self.state_phs[s] for s in unread if s in self.state_phs})
-        self.in_place = grant_in_place(self.gm, region_executor)
-        fuse_index_writes(self.gm)
-        self.memos = memoize_inputs(self.gm, len(self.weights), len(self.state),
-                                    self.spec.get("memo", []))
+        with _one_recompile(self.gm):
+            bind(self.gm)
+            drop_writes(self.gm, {self.state_phs[s] for s in unread if s in self.state_phs})
+            self.in_place = grant_in_place(self.gm, region_executor)
+            fuse_index_writes(self.gm)
+            self.memos = memoize_inputs(self.gm, len(self.weights), len(self.state),
+                                        self.spec.get("memo", []))
 
     def flat(self, *inputs: Any) -> tuple[Any, ...]:
         """Run on the flat user inputs, unchecked."""
@@ -360,12 +367,16 @@ class Package:
 
 
 def _open_executors(root: Path, manifest: dict[str, Any],
-                    device: Device) -> dict[tuple[str, int], Any]:
-    """Each region's executor, by (program, region index), from its device (``open``). They
-    open on threads side by side: opening an onnxruntime session (graph optimization,
-    prepacking the weights) is most of a load (0.25 of 0.36 s for a Qwen3 4x512 package's
-    two), and runs partly outside the GIL (0.27 -> 0.23 s on 2 cores); a device whose runtime
-    opens one at a time serializes its own ``open``."""
+                    device: Device) -> Callable[[], dict[tuple[str, int], Any]]:
+    """Start opening each region's executor, by (program, region index), from its device
+    (``open``), on threads side by side; returns the wait for them (the first error raised).
+
+    Why threads, and why the caller works meanwhile: opening an onnxruntime session (graph
+    optimization, prepacking the weights) is most of a load, and runs outside the GIL: on 2
+    cores a SmolLM2-135M int4 package's two sessions take 0.43 s side by side, while the
+    loader's own Python (program graphs, weights, bindings) takes 0.1-0.2 s and needs no open
+    executor until it binds the region calls. A device whose runtime opens one at a time
+    serializes its own ``open``."""
     from concurrent.futures import ThreadPoolExecutor
 
     files = Files(root)
@@ -383,38 +394,34 @@ def _open_executors(root: Path, manifest: dict[str, Any],
 
     jobs = {(name, i): r for name, spec in manifest["programs"].items()
             for i, r in enumerate(spec["regions"])}
-    if len(jobs) <= 1:
-        return {k: open_one(r) for k, r in jobs.items()}
-    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        futures = {k: pool.submit(open_one, r) for k, r in jobs.items()}
-    return {k: f.result() for k, f in futures.items()}
+    pool = ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1)),
+                              thread_name_prefix="fxpass-open")
+    futures = {k: pool.submit(open_one, r) for k, r in jobs.items()}
+
+    def wait() -> dict[tuple[str, int], Any]:
+        pool.shutdown(wait=True)  # every open ends before any error is raised
+        return {k: f.result() for k, f in futures.items()}
+
+    return wait
 
 
 def open_package(path: str | os.PathLike) -> Package:
-    """Verify package ``path`` and open every program and region in it (no compile)."""
+    """Verify package ``path`` and open every program and region in it (no compile).
+    Nothing is opened before everything the manifest names is confined and checksummed; the
+    programs' graphs are read while the regions' executors open."""
     from fxpass.aot.runtime import open_region
     from fxpass.jit.runtime import RegionCall
 
     root = Path(path)
     manifest, device = _read(root)
     verify(root, manifest)
-    for mod in confine(root, manifest):
-        try:
-            importlib.import_module(mod)
-        except ImportError as e:
-            raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are types of "
-                               f"{mod!r}, which does not import here ({e}); install it") from e
-    unknown = spec_types(*(s for p in manifest["programs"].values()
-                           for s in (p["in_spec"], p["out_spec"]))) - set(
-        pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
-    if unknown:
-        raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are of types "
-                           f"{sorted(unknown)}, which no module the manifest imports registers "
-                           "with torch's pytree; export the model again")
-    weights = np.memmap(root / WEIGHTS, mode="c") if (root / WEIGHTS).stat().st_size else (
-        np.zeros(0, np.uint8))
-    executors = _open_executors(root, manifest, device)
-    regions, state, programs = [], {}, {}
+    modules = confine(root, manifest)
+    opened = _open_executors(root, manifest, device)
+    try:
+        programs, state = _programs(root, manifest, modules)
+    finally:
+        executors = opened()
+    regions = []
     for name, spec in manifest["programs"].items():
         for index, r in enumerate(spec["regions"]):
             ex = executors[name, index]
@@ -430,13 +437,51 @@ def open_package(path: str | os.PathLike) -> Package:
                               out_shapes=[torch.Size(s) for s, _ in outs])
             open_region(r["key"], call, outs)
             regions.append(call)
-        for s in spec["state"]:  # shared by name between programs (prefill and decode)
-            state.setdefault(s["name"], torch.zeros(s["shape"], dtype=_DTYPES[s["dtype"]]))
-        programs[name] = LoadedProgram(root, name, spec, weights, state)
     read = set().union(*(p.reads() for p in programs.values()))
     for p in programs.values():
         p.streamline(set(state) - read)
     return Package(root, manifest, programs, regions, state)
+
+
+def _programs(root: Path, manifest: dict[str, Any], modules: list[str]
+              ) -> tuple[dict[str, LoadedProgram], dict[str, torch.Tensor]]:
+    """Each program, its region calls not bound yet, and the state they share by name
+    (prefill and decode), after importing the modules the call signatures need."""
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are types of "
+                               f"{mod!r}, which does not import here ({e}); install it") from e
+    unknown = spec_types(*(s for p in manifest["programs"].values()
+                           for s in (p["in_spec"], p["out_spec"]))) - set(
+        pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    if unknown:
+        raise PackageError(f"{root / MANIFEST}: the program's inputs or outputs are of types "
+                           f"{sorted(unknown)}, which no module the manifest imports registers "
+                           "with torch's pytree; export the model again")
+    weights = np.memmap(root / WEIGHTS, mode="c") if (root / WEIGHTS).stat().st_size else (
+        np.zeros(0, np.uint8))
+    state: dict[str, torch.Tensor] = {}
+    programs = {}
+    for name, spec in manifest["programs"].items():
+        for s in spec["state"]:
+            state.setdefault(s["name"], torch.zeros(s["shape"], dtype=_DTYPES[s["dtype"]]))
+        programs[name] = LoadedProgram(root, name, spec, weights, state)
+    return programs, state
+
+
+@contextmanager
+def _one_recompile(gm: GraphModule) -> Iterator[None]:
+    """``gm.recompile()`` called inside runs once, at the end: each generates and compiles the
+    graph's Python (about 4 ms for a 260-node program), and streamlining a program changes
+    its graph five times."""
+    gm.recompile = lambda: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del gm.recompile
+    gm.recompile()
 
 
 def load(path: str | os.PathLike) -> Any:

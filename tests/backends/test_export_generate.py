@@ -266,3 +266,49 @@ def test_a_bf16_decoder_generates_greedily_from_its_package(tmp_path):
     got = runner.generate(ids, max_new_tokens=4, eos_token_id=[])
     want = _hf(model, ids, 4, min_new=4)
     assert torch.equal(got, want), (got, want)
+
+
+def test_load_reads_the_programs_while_the_regions_open(decoder, monkeypatch):
+    """The regions' executors open on threads while the loader reads the programs (opening
+    an onnxruntime session is most of a load): each open here waits until both programs are
+    read, which the old order (open everything, then read) never reached. Streamlining
+    generates each program's code once: two code generations per program graph
+    (the old code, once per streamlining step: up to six)."""
+    import threading
+
+    import fxpass.aot.package as pkg
+
+    model, _, path, _ = decoder
+    read, waited = threading.Event(), []
+    real_init, real_open = pkg.LoadedProgram.__init__, pkg.Device.open
+    programs: list[str] = []
+
+    def init(self, root, name, *a):
+        real_init(self, root, name, *a)
+        programs.append(name)
+        if len(programs) == 2:
+            read.set()
+
+    device_cls = type(pkg._read(Path(path))[1])
+    real_open = device_cls.open
+
+    def slow_open(self, entry, files):
+        waited.append(read.wait(30))
+        return real_open(self, entry, files)
+
+    generated = []
+    real_recompile = torch.fx.GraphModule.recompile
+
+    def recompile(self):
+        generated.append(self)
+        return real_recompile(self)
+
+    monkeypatch.setattr(pkg.LoadedProgram, "__init__", init)
+    monkeypatch.setattr(device_cls, "open", slow_open)
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", recompile)
+    runner = load(path)
+    assert waited == [True, True] and sorted(programs) == ["decode", "prefill"]
+    for program in runner.package.programs.values():  # decoded, then streamlined
+        assert sum(g is program.gm for g in generated) == 2
+    ids = _prompt(5)
+    assert torch.equal(runner.generate(ids, max_new_tokens=6), _hf(model, ids, 6, min_new=6))
