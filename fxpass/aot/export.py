@@ -18,7 +18,7 @@ Weights are inputs of the final program, not state inside it: a package stores e
 once, in one file that the programs (prefill and decode share it) and the regions' ONNX
 models read, so tied or shared weights are never copied. The custom op finds a region's
 executor by ``key`` (a digest of its graph, weights, march and options) in this process's
-table, filled by ``export`` and by ``package.load``.
+table, filled by ``export`` and by ``package.load`` and emptied as their objects are collected.
 
 Stages: an export of a large model takes minutes (its region compile above all), so every
 stage is reported as it starts, to the logger ``fxpass.export`` at INFO (shown with
@@ -45,6 +45,7 @@ from torch.fx import GraphModule
 
 from fxpass import device as devices
 from fxpass._capture import SOURCE, mutated_inputs
+from fxpass.aot import runtime
 from fxpass.aot.runtime import ExportError, inplace, open_region, threads, untraceable
 from fxpass.graph import FROZEN, FROZEN_BUFFER
 from fxpass.jit.options import Options, from_options
@@ -76,18 +77,14 @@ def _warn_if_no_region(what: str, report: Any, opts: Options) -> None:
     """Warn (naming the option and its value) when ``report``'s graph got no region only
     because its candidates fell below ``min_compute_macs``; a graph with nothing the BPU
     can run (no candidate at all) is no mistake of the threshold and is not warned about."""
-    if report.regions:
-        return
     small = [d for d in report.dropped if "min_compute_macs" in d]
-    if not small:
+    if report.regions or not small:
         return
     from fxpass.jit.backend import min_region_macs
 
-    if opts.min_compute_macs is None:
-        threshold = (f"min_compute_macs={min_region_macs(opts):,} (the default "
-                     f"for the {report.executor} executor)")
-    else:
-        threshold = f"min_compute_macs={opts.min_compute_macs:,}"
+    threshold = (f"min_compute_macs={min_region_macs(opts):,} (the default for the "
+                 f"{report.executor} executor)" if opts.min_compute_macs is None
+                 else f"min_compute_macs={opts.min_compute_macs:,}")
     shown = "; ".join(small[:3]) + ("; ..." if len(small) > 3 else "")
     msg = (f"export: the {what} has no region: its {len(small)} candidate(s) are below "
            f"{threshold} ({shown}), so it runs entirely on the CPU in torch. To offload it "
@@ -174,6 +171,7 @@ def lower(
     if isinstance(compiled, TorchThreads):
         compiled, threads = compiled.graph, compiled.n
     regions: list[RegionArtifact] = []
+    opened: list[tuple[str, Any]] = []  # closed when the program is collected
     graph = compiled.graph
     for node in list(graph.nodes):
         mod = compiled.get_submodule(node.target) if node.op == "call_module" else None
@@ -189,6 +187,7 @@ def lower(
             outputs=[(tuple(s), _out_dtype(mod, i)) for i, s in enumerate(mod.out_shapes)],
         )
         open_region(art.key, mod, art.outputs)
+        opened.append((art.key, mod))
         regions.append(art)
         with graph.inserting_before(node):
             call = graph.call_function(torch.ops.fxpass.region.default, (art.key, list(node.args)))
@@ -212,8 +211,10 @@ def lower(
     final.example_inputs = None  # they hold every weight: torch.export.save would write them
     seconds["splice_export"] = time.perf_counter() - t2
     seconds["total"] = time.perf_counter() - t0
-    return Lowered(final, weights, state, flat_user, ep.call_spec.in_spec, ep.call_spec.out_spec,
-                   regions, report, threads, seconds)
+    low = Lowered(final, weights, state, flat_user, ep.call_spec.in_spec, ep.call_spec.out_spec,
+                  regions, report, threads, seconds)
+    runtime.close_with(low, opened)  # the program's executors go with it
+    return low
 
 
 class _Flat(torch.nn.Module):

@@ -406,10 +406,9 @@ def _open_executors(root: Path, manifest: dict[str, Any],
 
 
 def open_package(path: str | os.PathLike) -> Package:
-    """Verify package ``path`` and open every program and region in it (no compile).
-    Nothing is opened before everything the manifest names is confined and checksummed; the
-    programs' graphs are read while the regions' executors open."""
-    from fxpass.aot.runtime import open_region
+    """Verify package ``path`` and open every program and region in it (no compile), nothing
+    before all it names is confined and checksummed; programs are read while regions open."""
+    from fxpass.aot.runtime import close_with, open_region
     from fxpass.jit.runtime import RegionCall
 
     root = Path(path)
@@ -436,11 +435,13 @@ def open_package(path: str | os.PathLike) -> Package:
             call = RegionCall(r["name"], ex, no_eager, expected, strict=True,
                               out_shapes=[torch.Size(s) for s, _ in outs])
             open_region(r["key"], call, outs)
-            regions.append(call)
+            regions.append((r["key"], call))
     read = set().union(*(p.reads() for p in programs.values()))
     for p in programs.values():
         p.streamline(set(state) - read)
-    return Package(root, manifest, programs, regions, state)
+    pkg = Package(root, manifest, programs, [call for _, call in regions], state)
+    close_with(pkg, regions)  # its sessions go with it
+    return pkg
 
 
 def _programs(root: Path, manifest: dict[str, Any], modules: list[str]
@@ -474,8 +475,7 @@ def _programs(root: Path, manifest: dict[str, Any], modules: list[str]
 @contextmanager
 def _one_recompile(gm: GraphModule) -> Iterator[None]:
     """``gm.recompile()`` called inside runs once, at the end: each generates and compiles the
-    graph's Python (about 4 ms for a 260-node program), and streamlining a program changes
-    its graph five times."""
+    graph's Python (4 ms for 260 nodes), and streamlining changes a program's graph 5 times."""
     gm.recompile = lambda: None  # an instance attribute shadows the method
     try:
         yield

@@ -5,6 +5,7 @@ regions, and the program's runtime graph (in-place cache writes, regions bound d
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -12,8 +13,9 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-#: key -> the callable that runs a region (a ``runtime.RegionCall``)
-_LIVE: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {}
+#: key -> the callables that run a region (``runtime.RegionCall``s), the last opened first
+#: in use: each stays until its owner (a loaded package, an exported program) is collected
+_LIVE: dict[str, list[Callable[..., tuple[torch.Tensor, ...]]]] = {}
 
 
 #: key -> the region's output (shape, dtype) list, for the op's fake implementation
@@ -23,14 +25,14 @@ _SPECS: dict[str, list[tuple[tuple[int, ...], torch.dtype]]] = {}
 @torch.library.custom_op("fxpass::region", mutates_args=())
 def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run compiled region ``key`` on ``inputs`` (one op for every region of every program)."""
-    fn = _LIVE.get(key)
-    if fn is None:
+    fns = _LIVE.get(key)
+    if not fns:
         raise RuntimeError(
             f"fxpass region {key!r} is not open in this process: a program that calls it must "
             "come from fxpass.aot.export.export() or fxpass.aot.package.load(path), which "
             "open its regions (torch.export.load alone does not)"
         )
-    return list(fn(*inputs))
+    return list(fns[-1](*inputs))
 
 
 @region.register_fake
@@ -42,9 +44,31 @@ def _(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def open_region(key: str, fn: Callable[..., Any], outputs: list[tuple[tuple[int, ...], Any]]):
-    """Make ``torch.ops.fxpass.region(key, ...)`` run ``fn`` in this process."""
+    """Make ``torch.ops.fxpass.region(key, ...)`` run ``fn`` in this process, until
+    :func:`close_with`'s owner is collected."""
     _SPECS[key] = [(tuple(s), d) for s, d in outputs]
-    _LIVE[key] = fn
+    _LIVE.setdefault(key, []).append(fn)
+
+
+def close_with(owner: object, opened: list[tuple[str, Callable[..., Any]]]) -> None:
+    """Close the regions ``opened`` ((key, callable) pairs given to :func:`open_region`) when
+    ``owner`` is garbage collected. Why: the registry held every region ever opened, and with
+    it its executor (an onnxruntime session and its packed weights), so a process that loads
+    new versions of a package, or exports in a loop, grew by a model each time. Another
+    owner's region of the same key (the same package loaded twice) stays open."""
+    weakref.finalize(owner, _close, opened)
+
+
+def _close(opened: list[tuple[str, Callable[..., Any]]]) -> None:
+    for key, fn in opened:
+        fns = _LIVE.get(key, [])
+        for i in range(len(fns) - 1, -1, -1):
+            if fns[i] is fn:
+                del fns[i]
+                break
+        if not fns:
+            _LIVE.pop(key, None)
+            _SPECS.pop(key, None)
 
 
 class ExportError(RuntimeError):
@@ -175,9 +199,10 @@ def inplace(ep: ExportedProgram, n_weights: int = 0, n_state: int = 0,
 
 
 def _direct(key: str) -> Callable[..., tuple[torch.Tensor, ...]]:
-    fn = _LIVE.get(key)
-    if fn is None:
+    fns = _LIVE.get(key)
+    if not fns:
         raise RuntimeError(f"fxpass region {key!r} is not open in this process")
+    fn = fns[-1]
     # a RegionCall's forward, not its Module.__call__: a loaded program has no hooks to run
     run = fn.forward if isinstance(fn, torch.nn.Module) else fn
 

@@ -312,3 +312,35 @@ def test_load_reads_the_programs_while_the_regions_open(decoder, monkeypatch):
         assert sum(g is program.gm for g in generated) == 2
     ids = _prompt(5)
     assert torch.equal(runner.generate(ids, max_new_tokens=6), _hf(model, ids, 6, min_new=6))
+
+
+def test_a_dropped_package_or_program_closes_its_regions(tmp_path):
+    """A loaded package and an exported program hold their regions' executors (onnxruntime
+    sessions and their packed weights) as long as they live, and no longer: the registry of
+    open regions kept every one for the life of the process, so loading new versions of a
+    package, or exporting in a loop, grew by a model each time. Another load of the same
+    package (the same region keys) stays open and generates."""
+    import gc
+    import weakref
+
+    from fxpass.aot import runtime
+
+    model, _ = zoo.get("qwen3")
+    program = export_for_generate(model, max_cache_len=CACHE, prefill_length=CHUNK,
+                                  options={"min_compute_macs": 0})
+    path = program.save(tmp_path / "p")
+    keys = [r.key for low in (program.prefill, program.decode) for r in low.regions]
+    exported = [weakref.ref(runtime._LIVE[k][-1]) for k in keys]
+    first, second = load(path), load(path)
+    opened = [weakref.ref(r.executor) for r in first.package.regions]
+    assert all(len(runtime._LIVE[k]) == 3 for k in keys)
+    ids = _prompt(5)
+    want = _hf(model, ids, 4, min_new=4)
+    del first, program
+    gc.collect()
+    assert [e() for e in opened + exported] == [None] * (len(opened) + len(exported))
+    assert all(len(runtime._LIVE[k]) == 1 for k in keys)
+    assert torch.equal(second.generate(ids, max_new_tokens=4), want)
+    del second
+    gc.collect()
+    assert not any(k in runtime._LIVE for k in keys)
