@@ -70,7 +70,7 @@ def _outside_region(runner: Any, ids: torch.Tensor, steps: int, rounds: int = 5)
             for n in (1, steps + 1):
                 spent[0] = 0.0
                 t0 = time.perf_counter()
-                runner.generate(ids, max_new_tokens=n)
+                runner.generate(ids, max_new_tokens=n, eos_token_id=[])
                 got[n] = (time.perf_counter() - t0, spent[0])
             wall = (got[steps + 1][0] - got[1][0]) / steps
             dev = (got[steps + 1][1] - got[1][1]) / steps
@@ -202,7 +202,7 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path) -
     runners = {
         "eager-static": _hf_generate(model, ids, cache_implementation="static"),
         "fxpass-jit": _hf_generate(jit_model, ids),
-        "fxpass-package": lambda n: runner.generate(ids, max_new_tokens=n),
+        "fxpass-package": lambda n: runner.generate(ids, max_new_tokens=n, eos_token_id=[]),
         "genai": GenAI(model, ids, max_len),
     }
     ref = {n: runners["eager-static"](n) for n in new_tokens}

@@ -23,8 +23,10 @@ SUITE: list[tuple[str, ...]] = [
      "package (`export_for_generate`, loaded in the same process) against eager HF "
      "`generate(cache_implementation=\"static\")`, the JIT path (`compile_for_generate`) and "
      "ONNX Runtime GenAI on the same weights; every contender's tokens are checked against "
-     "eager's. \"outside ms\" is a decode step's wall time minus its region executor's. \"load "
-     "-> 1st token\" is measured in a fresh process after the imports."),
+     "eager's. Each makes exactly N tokens with the end token off (HF: `eos_token_id=None`, "
+     "the runner: `eos_token_id=[]`; not `min_new_tokens`, whose end-token masking cost HF's "
+     "loop 0.65 ms/token). \"outside ms\" is a decode step's wall time minus its region "
+     "executor's. \"load -> 1st token\" is measured in a fresh process after the imports."),
     ("weight_only", "weight_only", 40,
      "Weight-only int8/int4 packages (and the JIT path) on the `ort` device beside the fp32 "
      "package and GenAI's fp32 and int4 builds of the same weights. \"vs its fp32\" divides by "

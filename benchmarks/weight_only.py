@@ -169,8 +169,8 @@ def _quality(logits: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> dict
 
 def _agreement(got: torch.Tensor, want: torch.Tensor, eos: set[int]) -> float:
     """The share of greedy tokens equal to eager's before the first end token either made:
-    eager's loop forbids an end token until ``min_new_tokens`` (HF's processor), the others
-    do not, so from there on the two differ by construction."""
+    every contender runs with the end token off (exactly ``n`` tokens, for the timing), and
+    what a model writes past its end is not an answer to compare."""
     ends = [i for i, (a, b) in enumerate(zip(got.tolist(), want.tolist(), strict=True))
             if a in eos or b in eos]
     n = max(ends[0], 1) if ends else len(want)
