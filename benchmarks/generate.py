@@ -66,11 +66,15 @@ def _hf_generate(model: Any, ids: torch.Tensor, **kw: Any) -> Callable[[int], to
     end token off, as ``eos_token_id=[]`` does for a package's runner. (``min_new_tokens``
     would too, but through two logits processors that mask the end token over the whole
     vocabulary every step: 0.65 ms/token of a Llama 4 x 512's HF loop that no other
-    contender runs.)"""
+    contender runs.) The attention mask is given, all ones: without an end token HF would
+    infer one from the pad token, and SmolLM2's chat prompt holds its pad token (the end of
+    each turn), which it would then mask."""
+    mask = kw.pop("attention_mask", torch.ones_like(ids))
+
     def run(n: int) -> torch.Tensor:
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=n, eos_token_id=None, do_sample=False,
-                                  **kw)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None,
+                                  do_sample=False, **kw)
 
     return run
 
