@@ -367,16 +367,14 @@ class Package:
 
 
 def _open_executors(root: Path, manifest: dict[str, Any],
-                    device: Device) -> Callable[[], dict[tuple[str, int], Any]]:
+                    device: Device) -> Callable[..., dict[tuple[str, int], Any]]:
     """Start opening each region's executor, by (program, region index), from its device
-    (``open``), on threads side by side; returns the wait for them (the first error raised).
-
-    Why threads, and why the caller works meanwhile: opening an onnxruntime session (graph
-    optimization, prepacking the weights) is most of a load, and runs outside the GIL: on 2
-    cores a SmolLM2-135M int4 package's two sessions take 0.43 s side by side, while the
-    loader's own Python (program graphs, weights, bindings) takes 0.1-0.2 s and needs no open
-    executor until it binds the region calls. A device whose runtime opens one at a time
-    serializes its own ``open``."""
+    (``open``), on threads side by side; returns the wait for them (raising the first error
+    unless ``check=False``). Why: an onnxruntime session's open (graph optimization,
+    prepacking) is most of a load and runs outside the GIL (SmolLM2-135M int4: two sessions
+    0.43 s side by side on 2 cores), while the loader's own Python (graphs, weights) takes
+    0.1-0.2 s and needs no executor until it binds the region calls. A device whose runtime
+    opens one at a time serializes its own ``open``."""
     from concurrent.futures import ThreadPoolExecutor
 
     files = Files(root)
@@ -398,9 +396,9 @@ def _open_executors(root: Path, manifest: dict[str, Any],
                               thread_name_prefix="fxpass-open")
     futures = {k: pool.submit(open_one, r) for k, r in jobs.items()}
 
-    def wait() -> dict[tuple[str, int], Any]:
+    def wait(check: bool = True) -> dict[tuple[str, int], Any]:
         pool.shutdown(wait=True)  # every open ends before any error is raised
-        return {k: f.result() for k, f in futures.items()}
+        return {k: f.result() for k, f in futures.items()} if check else {}
 
     return wait
 
@@ -418,8 +416,10 @@ def open_package(path: str | os.PathLike) -> Package:
     opened = _open_executors(root, manifest, device)
     try:
         programs, state = _programs(root, manifest, modules)
-    finally:
-        executors = opened()
+    except BaseException:
+        opened(check=False)  # the opens end first; this error is the one to name
+        raise
+    executors = opened()
     regions = []
     for name, spec in manifest["programs"].items():
         for index, r in enumerate(spec["regions"]):

@@ -350,3 +350,31 @@ def test_a_dropped_package_or_program_closes_its_regions(tmp_path):
     gc.collect()
     assert count() == [0] * len(keys)
     assert all(k not in runtime._LIVE for k in keys if not before[k])
+
+
+def test_a_load_that_fails_reading_its_programs_names_that_error(decoder, monkeypatch):
+    """The programs are read while the regions open: when reading fails, that error is the
+    one raised (as when it was read first), not a region's that failed to open meanwhile,
+    and every open has ended by then."""
+    import fxpass.aot.package as pkg
+
+    _, _, path, _ = decoder
+    device_cls = type(pkg._read(Path(path))[1])
+    ended = []
+
+    def failing_open(self, entry, files):
+        ended.append(entry["model"])
+        raise RuntimeError("the board is unplugged")
+
+    def unreadable(self, *a):
+        raise pkg.PackageError("program graph unreadable")
+
+    monkeypatch.setattr(device_cls, "open", failing_open)
+    monkeypatch.setattr(pkg.LoadedProgram, "__init__", unreadable)
+    with pytest.raises(pkg.PackageError, match="program graph unreadable"):
+        load(path)
+    assert len(ended) == 2
+    monkeypatch.undo()
+    monkeypatch.setattr(device_cls, "open", failing_open)
+    with pytest.raises(pkg.PackageError, match="cannot open it: the board is unplugged"):
+        load(path)
