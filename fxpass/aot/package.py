@@ -371,10 +371,10 @@ def _open_executors(root: Path, manifest: dict[str, Any],
     """Start opening each region's executor, by (program, region index), from its device
     (``open``), on threads side by side; returns the wait for them (raising the first error
     unless ``check=False``). Why: an onnxruntime session's open (graph optimization,
-    prepacking) is most of a load and runs outside the GIL (SmolLM2-135M int4: two sessions
-    0.43 s side by side on 2 cores), while the loader's own Python (graphs, weights) takes
-    0.1-0.2 s and needs no executor until it binds the region calls. A device whose runtime
-    opens one at a time serializes its own ``open``."""
+    prepacking) is most of a load and runs outside the GIL, while the loader's own Python
+    (program graphs, weights) needs no executor until it binds the region calls (tested by
+    ``test_load_reads_the_programs_while_the_regions_open``). A device whose runtime opens
+    one at a time serializes its own ``open``."""
     from concurrent.futures import ThreadPoolExecutor
 
     files = Files(root)
@@ -475,7 +475,7 @@ def _programs(root: Path, manifest: dict[str, Any], modules: list[str]
 @contextmanager
 def _one_recompile(gm: GraphModule) -> Iterator[None]:
     """``gm.recompile()`` called inside runs once, at the end: each generates and compiles the
-    graph's Python (4 ms for 260 nodes), and streamlining changes a program's graph 5 times."""
+    graph's Python (milliseconds), and streamlining changes a program's graph five times."""
     gm.recompile = lambda: None  # an instance attribute shadows the method
     try:
         yield

@@ -62,10 +62,7 @@ def close_with(owner: object, opened: list[tuple[str, Callable[..., Any]]]) -> N
 def _close(opened: list[tuple[str, Callable[..., Any]]]) -> None:
     for key, fn in opened:
         fns = _LIVE.get(key, [])
-        for i in range(len(fns) - 1, -1, -1):
-            if fns[i] is fn:
-                del fns[i]
-                break
+        fns[:] = [f for f in fns if f is not fn]
         if not fns:
             _LIVE.pop(key, None)
             _SPECS.pop(key, None)

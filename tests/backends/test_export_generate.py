@@ -268,19 +268,26 @@ def test_a_bf16_decoder_generates_greedily_from_its_package(tmp_path):
     assert torch.equal(got, want), (got, want)
 
 
+def _device_class(path):
+    """The class of the device that opens the package at ``path`` (to patch its ``open``)."""
+    import fxpass.aot.package as pkg
+
+    return type(pkg._read(Path(path))[1])
+
+
 def test_load_reads_the_programs_while_the_regions_open(decoder, monkeypatch):
     """The regions' executors open on threads while the loader reads the programs (opening
     an onnxruntime session is most of a load): each open here waits until both programs are
     read, which the old order (open everything, then read) never reached. Streamlining
-    generates each program's code once: two code generations per program graph
-    (the old code, once per streamlining step: up to six)."""
+    generates each program's code once: two code generations per program graph (the old
+    code generated it again after each streamlining step)."""
     import threading
 
     import fxpass.aot.package as pkg
 
     model, _, path, _ = decoder
     read, waited = threading.Event(), []
-    real_init, real_open = pkg.LoadedProgram.__init__, pkg.Device.open
+    real_init = pkg.LoadedProgram.__init__
     programs: list[str] = []
 
     def init(self, root, name, *a):
@@ -289,7 +296,7 @@ def test_load_reads_the_programs_while_the_regions_open(decoder, monkeypatch):
         if len(programs) == 2:
             read.set()
 
-    device_cls = type(pkg._read(Path(path))[1])
+    device_cls = _device_class(path)
     real_open = device_cls.open
 
     def slow_open(self, entry, files):
@@ -359,7 +366,7 @@ def test_a_load_that_fails_reading_its_programs_names_that_error(decoder, monkey
     import fxpass.aot.package as pkg
 
     _, _, path, _ = decoder
-    device_cls = type(pkg._read(Path(path))[1])
+    device_cls = _device_class(path)
     ended = []
 
     def failing_open(self, entry, files):
