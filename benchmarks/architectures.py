@@ -31,6 +31,7 @@ the embedding and integer index arithmetic, and the fxpass warnings. Writes
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import subprocess
 import sys
@@ -237,9 +238,16 @@ def _build(family: str) -> tuple[Any, Any]:
     extra = dict(FAMILIES[family])
     attn = extra.pop("attn", "sdpa")
     cfg_name, model_name = CLASSES.get(family, (f"{family}Config", f"{family}ForCausalLM"))
-    cfg = getattr(tf, cfg_name)(
+    cls = getattr(tf, cfg_name)
+    # grouped KV heads only where the family has them: a config given a num_key_value_heads
+    # its model never reads (GPTNeoX, OPT, Falcon, GPTJ, CodeGen, Bloom, GPTBigCode) makes
+    # HF's early cache initialization size the cache by it, so HF's chunked prefill failed
+    # there on a config no checkpoint of those families has
+    if "num_key_value_heads" in inspect.signature(cls.__init__).parameters:
+        extra.setdefault("num_key_value_heads", 2)
+    cfg = cls(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra,
+        num_attention_heads=4, max_position_embeddings=256, **extra,
     )
     cfg._attn_implementation = attn
     torch.manual_seed(0)
