@@ -31,9 +31,7 @@ naming the option, as such a package would silently be no faster than eager.
 from __future__ import annotations
 
 import functools
-import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,50 +45,10 @@ from fxpass import device as devices
 from fxpass._capture import SOURCE, mutated_inputs
 from fxpass.aot import runtime
 from fxpass.aot.runtime import ExportError, inplace, open_region, threads, untraceable
+from fxpass.aot.stages import NoRegionWarning as NoRegionWarning  # re-exported
+from fxpass.aot.stages import Progress, reporter, warn_if_no_region
 from fxpass.graph import FROZEN, FROZEN_BUFFER
 from fxpass.jit.options import Options, from_options
-
-#: every export stage, as it starts, at INFO (the module doc)
-log = logging.getLogger("fxpass.export")
-
-Progress = Callable[[str], None]
-
-
-class NoRegionWarning(UserWarning):
-    """An exported program got no region: every candidate is below ``min_compute_macs``, so
-    the whole program runs in torch on the CPU (filter it with ``warnings`` if intended)."""
-
-
-def reporter(progress: Progress | None) -> Progress:
-    """One stage message to the ``fxpass.export`` logger and to ``progress`` (if given): the
-    logger for applications that configure logging, the callback for a UI of their own."""
-
-    def say(msg: str) -> None:
-        log.info("%s", msg)
-        if progress is not None:
-            progress(msg)
-
-    return say
-
-
-def _warn_if_no_region(what: str, report: Any, opts: Options) -> None:
-    """Warn (naming the option and its value) when ``report``'s graph got no region only
-    because its candidates fell below ``min_compute_macs``; a graph with nothing the BPU
-    can run (no candidate at all) is no mistake of the threshold and is not warned about."""
-    small = [d for d in report.dropped if "min_compute_macs" in d]
-    if report.regions or not small:
-        return
-    from fxpass.jit.backend import min_region_macs
-
-    threshold = (f"min_compute_macs={min_region_macs(opts):,} (the default for the "
-                 f"{report.executor} executor)" if opts.min_compute_macs is None
-                 else f"min_compute_macs={opts.min_compute_macs:,}")
-    shown = "; ".join(small[:3]) + ("; ..." if len(small) > 3 else "")
-    msg = (f"export: the {what} has no region: its {len(small)} candidate(s) are below "
-           f"{threshold} ({shown}), so it runs entirely on the CPU in torch. To offload it "
-           "anyway, export with options={'min_compute_macs': 0} (fxpass export "
-           "--min-compute-macs 0)")
-    warnings.warn(msg, NoRegionWarning, stacklevel=3)
 
 
 @functools.cache
@@ -147,9 +105,10 @@ class Lowered:
 
 def lower(
     module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], opts: Options,
-    say: Progress,
+    say: Progress, check: Callable[[ExportedProgram], None] | None = None,
 ) -> Lowered:
-    """``module(*args, **kwargs)`` through torch.export and the JIT pipeline (module doc)."""
+    """``module(*args, **kwargs)`` through torch.export and the JIT pipeline (module doc);
+    ``check(ep)`` runs on torch.export's program before anything else (it raises to refuse)."""
     from fxpass.jit.backend import compile_graph
     from fxpass.jit.runtime import RegionCall, TorchThreads
 
@@ -159,8 +118,13 @@ def lower(
     with torch.no_grad():
         try:
             ep = torch.export.export(module, args, kwargs, strict=False)
-            gm, roles, flat_user = _aten_graph(ep, args, kwargs)
         except Exception as e:  # torch's tracer errors name neither the model nor the fix
+            raise untraceable(module, e) from e
+        if check is not None:
+            check(ep)
+        try:
+            gm, roles, flat_user = _aten_graph(ep, args, kwargs)
+        except Exception as e:
             raise untraceable(module, e) from e
     seconds["export"] = time.perf_counter() - t0
     say(f"rules, partition, lowering, region compile ({len(gm.graph.nodes)} nodes)")
@@ -258,6 +222,13 @@ def _aten_graph(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     mod = ep.module()
+    # a value read into Python that nothing uses (the length of a mask OPT and BioGpt build
+    # and never read once given positions, ``static_cache``): export keeps the read, a re-trace
+    # with fake tensors cannot run it
+    for n in mod.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default):
+        if not n.users:
+            mod.graph.erase_node(n)
+    mod.recompile()
     attrs: dict[str, torch.Tensor] = {}
     for n in mod.graph.nodes:  # a tied weight is two inputs; weights.bin stores it once
         if n.op == "get_attr" and isinstance(t := _attr(mod, n.target), torch.Tensor):
@@ -383,7 +354,7 @@ def export(
         raise ExportError(
             f"the model writes {sorted(low.state)} in place; export() takes models whose calls "
             "are pure functions of their inputs. A KV cache belongs to export_for_generate")
-    _warn_if_no_region("program", low.report, opts)
+    warn_if_no_region("program", low.report, opts)
     program = Program(low, opts)
     if batches is not None:
         from fxpass.aot.batches import call
@@ -423,7 +394,8 @@ def export_for_generate(
     device: Any = None,
 ) -> GenerateProgram:
     """Export a decoder-only HF model for generation: transformers' own static-cache module
-    (``TorchExportableModuleWithStaticCache``: the cache as buffers it writes in place),
+    (``TorchExportableModuleWithStaticCache``: the cache as buffers it writes in place; with
+    explicit positions where the model's own are data-dependent, ``static_cache``),
     exported twice through the device's pipeline: ``prefill`` takes ``prefill_length`` tokens,
     ``decode`` one. Both read and write the same cache (state shared by name in the package).
     Quantized regions need ``calibration``: prompts (``(batch_size, tokens)`` id tensors),
@@ -432,13 +404,12 @@ def export_for_generate(
     :func:`export` reports them.
     """
     try:
-        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+        import transformers.integrations.executorch  # noqa: F401
     except ImportError as e:  # a plain install has no transformers: name the extra
-        raise ExportError(
-            f"export_for_generate needs transformers ({e}); install it with "
-            'pip install "fxpass[demo]"') from None
+        raise ExportError(f"export_for_generate needs transformers ({e}); install it with "
+                          'pip install "fxpass[demo]"') from None
 
-    from fxpass.aot import quantized
+    from fxpass.aot import quantized, static_cache
 
     for name, v, low in (("max_cache_len", max_cache_len, 2), ("prefill_length", prefill_length, 1),
                          ("batch_size", batch_size, 1)):
@@ -454,17 +425,20 @@ def export_for_generate(
     saved = (gc.cache_implementation, gc.use_cache, model.training)
     gc.cache_implementation, gc.use_cache = "static", True
     model.eval()
-    try:
-        wrapper = TorchExportableModuleWithStaticCache(
-            model, batch_size=batch_size, max_cache_len=max_cache_len)
+    def trace(wrapper: torch.nn.Module) -> dict[str, Lowered]:
         progs = {}
         for name, length in (("prefill", prefill_length), ("decode", 1)):
             say(f"{name} program ({length} token(s) x batch {batch_size})")
             ids = torch.zeros(batch_size, length, dtype=torch.long)
             kw = {"input_ids": ids, "cache_position": torch.arange(length)}
-            progs[name] = lower(wrapper, (), kw, opts, say)
+            check = static_cache.same_elsewhere(wrapper, kw, max_cache_len)
+            progs[name] = lower(wrapper, (), kw, opts, say, check)
             # the rotary tables, the mask and the write index depend on the position alone
             progs[name].memo = _leaf_index(((), kw), "cache_position")
+        return progs
+
+    try:
+        progs = static_cache.programs(model, batch_size, max_cache_len, trace, say)
     finally:
         gc.cache_implementation, gc.use_cache = saved[0], saved[1]
         model.train(saved[2])
@@ -476,7 +450,7 @@ def export_for_generate(
             f"({sorted(pre.state)} against {sorted(dec.state)}); this model's cache is not the "
             "static cache transformers' export module makes")
     for name, low in progs.items():
-        _warn_if_no_region(f"{name} program", low.report, opts)
+        warn_if_no_region(f"{name} program", low.report, opts)
     ids = getattr(gc, "eos_token_id", None)
     meta = {
         "max_cache_len": max_cache_len,

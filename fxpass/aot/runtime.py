@@ -102,16 +102,23 @@ def untraceable(module: torch.nn.Module, e: Exception) -> ExportError:
             f"cannot export {name}: its call returns a {returned.group(1)}, which torch's "
             f"pytree does not know ({text}). Fix: return tensors, tuples, lists or dicts, or "
             "register the type with torch.utils._pytree.register_pytree_node")
+    reads = any(k in type(e).__name__ + str(e) for k in _DATA_DEPENDENT)
     why = ("its forward reads a tensor's value into Python (data-dependent control flow: a "
            "length or a position computed from a tensor), which a program of fixed shapes "
-           "cannot hold" if any(k in type(e).__name__ + str(e) for k in _DATA_DEPENDENT)
-           else "torch.export failed inside the model's own code")
-    return ExportError(
+           "cannot hold" if reads else "torch.export failed inside the model's own code")
+    err = ExportError(
         f"cannot export {name}: {why} ({text}). Fix: run it compiled "
         "instead (torch.compile(model, backend=\"fxpass_ort\"), or compile_for_generate for "
         "generate()), which falls back to eager where a graph cannot be traced; or change the "
         "model's forward so that torch.export traces it (torch.export.export(model, args, "
         "strict=False) shows the same error)")
+    err.data_dependent = reads
+    return err
+
+
+def data_dependent(e: ExportError) -> bool:
+    """Whether ``e`` (from :func:`untraceable`) is a trace that read a tensor's value."""
+    return getattr(e, "data_dependent", False)
 
 
 def runtime_graph(ep: ExportedProgram) -> GraphModule:

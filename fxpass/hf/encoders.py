@@ -365,13 +365,8 @@ def export_for_encoder(
     ``input_ids``, ``attention_mask``, ...) of any size; each is padded to its bucket and runs
     that bucket's program, so give inputs of every bucket's size."""
     from fxpass.aot import quantized
-    from fxpass.aot.export import (
-        Program,
-        _warn_if_no_region,
-        export_options,
-        lower,
-        reporter,
-    )
+    from fxpass.aot.export import Program, export_options, lower
+    from fxpass.aot.stages import reporter, warn_if_no_region
 
     spec = check_buckets(buckets)
     if "seq" not in spec:
@@ -395,7 +390,7 @@ def export_for_encoder(
                 if types:
                     kw["token_type_ids"] = torch.zeros(b, n, dtype=torch.long)
                 programs[f"b{b}_s{n}"] = lower(model, (), kw, opts, say)
-                _warn_if_no_region(f"bucket batch {b} x seq {n}", programs[f"b{b}_s{n}"].report,
+                warn_if_no_region(f"bucket batch {b} x seq {n}", programs[f"b{b}_s{n}"].report,
                                    opts)
     finally:
         model.train(was)

@@ -134,22 +134,45 @@ def test_export_for_generate_refuses_bad_sizes():
         export_for_generate(model, max_cache_len=0, prefill_length=1)
 
 
-def test_a_model_torch_export_cannot_trace_names_itself_and_the_fix():
-    """OPT's static-cache forward reads a length out of a tensor (``.item()``), which
-    torch.export refuses deep inside its tracer; the error names the model and the compiled
-    path, with torch's own line kept."""
+def _family(name: str, **kw):
+    """A one-layer model of a family from its own config class (sizes only)."""
     import transformers
 
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=128, **kw)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+
+
+def test_a_model_that_reads_its_positions_from_the_cache_exports_with_explicit_ones(tmp_path):
+    """OPT slices its positions at the cache's length read into Python, which torch.export
+    refuses; exported again with ``position_ids`` (the cache position), its package gives HF's
+    tokens at every prompt length, past the traced positions."""
+    model = _family("OPT", ffn_dim=128, word_embed_proj_dim=64)
+    said = []
+    program = export_for_generate(model, max_cache_len=32, prefill_length=8, device="ort",
+                                  options={"min_compute_macs": 0}, progress=said.append)
+    assert any("position_ids = cache_position" in m for m in said), said
+    runner = load(program.save(tmp_path / "opt"))
+    for n, seed in ((5, 0), (13, 1)):
+        ids = _prompt(n, seed)
+        assert torch.equal(runner.generate(ids, max_new_tokens=10),
+                           _hf(model, ids, 10, cache_config={"max_cache_len": 32}))
+
+
+def test_a_program_torch_export_fixed_at_the_traced_position_is_refused():
+    """BioGpt also sizes its mask by the length it reads, and torch.export fixes that size at
+    position 0 silently (its decode attended slot 0 alone); the program is checked against
+    the model at the cache's last positions and refused, naming the model and the fix."""
     from fxpass.aot.runtime import ExportError
 
-    cfg = transformers.OPTConfig(vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
-                                 num_attention_heads=4, word_embed_proj_dim=64,
-                                 max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.OPTForCausalLM(cfg).eval()
-    with pytest.raises(ExportError, match=r"cannot export OPTForCausalLM: its forward reads a "
-                       r"tensor's value into Python.*aten\.item.*compile_for_generate"):
+    model = _family("BioGpt", intermediate_size=128)
+    with pytest.raises(ExportError, match=r"cannot export BioGptForCausalLM: torch\.export's "
+                       r"program, traced at positions 0\.\.7, gives other logits than the model "
+                       r"at positions 24\.\.31 .*compile_for_generate"):
         export_for_generate(model, max_cache_len=32, prefill_length=8, device="ort")
+
 
 @pytest.mark.slow
 def test_fresh_process_generates_hf_tokens_without_compiling(decoder, tmp_path):
