@@ -62,11 +62,11 @@ DOMAIN = "com.microsoft"
 _MODERATE = 1e30
 #: why a call was declined (``host.ort.RegionDeclined``)
 DECLINED = (
-    "the fused decode attention (host fusion decode_attention) cannot answer this call "
-    "exactly: the write position is outside the cache (no slot written), or the attention "
-    "mask attends a cache slot past the written position, masks the written position itself, "
-    "or holds NaN or a value above 1e30; compile (or export) with "
-    "options host_fusions=False to run without it")
+    "the fused attention over the cache (host fusion decode_attention or chunk_attention) "
+    "cannot answer this call exactly: a write position is outside the cache (no slot "
+    "written), or the positions of a chunk are not consecutive, or the attention mask attends "
+    "a cache slot past a written position, masks a written position itself, or holds NaN or "
+    "a value above 1e30; compile (or export) with options host_fusions=False to run without it")
 
 
 def fuse_decode_attention(model: ir.Model) -> int:
@@ -80,15 +80,49 @@ def fuse_decode_attention(model: ir.Model) -> int:
     b = _Builder(graph)
     for m in matches:
         b.rewrite(m)
-    ok = b.flags[0]
-    for flag in b.flags[1:]:
-        ok = b.node("And", [ok, flag], before=None)
-    ok.name = OK_OUTPUT
-    graph.outputs.append(ok)
+    add_ok(graph, b.flags)
     model.opset_imports.setdefault(DOMAIN, 1)
     # the old guards and row writes, now unread: gone before the row-write fusion sees them
     RemoveUnusedNodesPass()(model)
     return len(matches)
+
+
+def add_ok(graph: ir.Graph, flags: list[ir.Value]) -> None:
+    """All ``flags`` (bool scalars) as the graph output ``fxpass_ok``, and-ed with the one a
+    fusion before added (``host.ort.OK_OUTPUT``: the executor declines a call it says False)."""
+    ok = flags[0]
+    for flag in flags[1:]:
+        ok = _and(graph, ok, flag)
+    for i, out in enumerate(graph.outputs):
+        if out.name == OK_OUTPUT:
+            out.name = f"{OK_OUTPUT}/before"
+            ok = _and(graph, out, ok)
+            del graph.outputs[i]
+            break
+    ok.name = OK_OUTPUT
+    graph.outputs.append(ok)
+
+
+def _and(graph: ir.Graph, a: ir.Value, b: ir.Value) -> ir.Value:
+    n = ir.Node("", "And", [a, b])
+    graph.append(n)
+    return n.outputs[0]
+
+
+def detach_branch(graph: ir.Graph, branch: ir.Node, result: ir.Value) -> None:
+    """``result`` in place of ``branch``'s output (its shape, type and name), and ``branch``
+    removed with its subgraphs' reads of the outer graph."""
+    old = branch.outputs[0]
+    result.shape, result.type = old.shape, old.type
+    name = old.name
+    old.replace_all_uses_with(result, replace_graph_outputs=True)
+    for attr in ("then_branch", "else_branch"):  # detach the branches' outer reads
+        sub = branch.attributes[attr].value
+        sub.outputs.clear()
+        for n in reversed(list(sub)):
+            sub.remove(n, safe=True)
+    graph.remove(branch, safe=True)
+    result.name = name  # a region output keeps its name
 
 
 def declare_rows(model: ir.Model) -> int:
@@ -263,6 +297,8 @@ def _in_place_ok(cache: ir.Value, hit: ir.Value) -> bool:
 
 
 class _Builder:
+    prefix = "decode_attention"  # of the names it gives
+
     def __init__(self, graph: ir.Graph):
         self.graph = graph
         self.flags: list[ir.Value] = []
@@ -274,16 +310,16 @@ class _Builder:
 
     def const(self, tag: str, array: np.ndarray) -> ir.Value:
         if tag not in self.consts:
-            self.consts[tag] = add_initializer(self.graph, f"decode_attention/{tag}", array)
+            self.consts[tag] = add_initializer(self.graph, f"{self.prefix}/{tag}", array)
         return self.consts[tag]
 
     def node(self, op: str, inputs: list[ir.Value | None], before: ir.Node | None,
-             domain: str = "", outputs: int = 1, **attrs: int | float) -> ir.Value:
-        made = [ir.AttrFloat32(k, v) if isinstance(v, float) else ir.AttrInt64(k, v)
-                for k, v in attrs.items()]
+             domain: str = "", outputs: int = 1, **attrs: int | float | list[int]) -> ir.Value:
+        made = [ir.AttrFloat32(k, v) if isinstance(v, float) else ir.AttrInt64s(k, v)
+                if isinstance(v, list) else ir.AttrInt64(k, v) for k, v in attrs.items()]
         n = ir.Node(domain, op, inputs, made, num_outputs=outputs)
         for i, o in enumerate(n.outputs):
-            o.name = f"decode_attention/{self.count}_{i}"
+            o.name = f"{self.prefix}/{self.count}_{i}"
         self.count += 1
         if before is None:
             self.graph.append(n)
@@ -389,15 +425,5 @@ class _Builder:
                 self.graph.outputs.append(present)
         result = self.node("Reshape", [out, self.const(f"o{b}_{h}_{d}", np.array(
             [b, h, 1, d], np.int64))], branch)
-        old = branch.outputs[0]
-        result.shape, result.type = old.shape, old.type
-        name = old.name
-        old.replace_all_uses_with(result, replace_graph_outputs=True)
-        for attr in ("then_branch", "else_branch"):  # detach the branches' outer reads
-            sub = branch.attributes[attr].value
-            sub.outputs.clear()
-            for n in reversed(list(sub)):
-                sub.remove(n, safe=True)
-        self.graph.remove(branch, safe=True)
-        result.name = name  # a region output keeps its name
+        detach_branch(self.graph, branch, result)
 

@@ -56,6 +56,7 @@ def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
     )
 
     from fxpass.backends.onnx.host.attention import fuse_attention
+    from fxpass.backends.onnx.host.chunk_attention import fuse_chunk_attention
     from fxpass.backends.onnx.host.decode_attention import fuse_decode_attention
     from fxpass.backends.onnx.host.output_view import output_views
     from fxpass.backends.onnx.host.rotary import fuse_rotary
@@ -68,6 +69,7 @@ def _passes(weights: Weights | None = None) -> list[tuple[str, object]]:
         ("attention", fuse_attention),
         # one token over a static cache: the attention's If and row writes -> one kernel
         ("decode_attention", fuse_decode_attention),
+        ("chunk_attention", fuse_chunk_attention),  # a prompt chunk's: the same, L rows
         ("row_write", fuse_row_writes),  # after attention, which matches the Where's users
         ("erf_gelu", fuse_erfgelu),
         ("rms_normalization", fuse_rms_normalization),
