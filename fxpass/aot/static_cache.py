@@ -22,7 +22,10 @@ rows, and refuses the export if their outputs or written caches differ.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -71,13 +74,19 @@ def programs(model: torch.nn.Module, batch_size: int, max_cache_len: int,
     """``trace(module)`` (both programs) on transformers' module, else, for a trace that read
     a tensor's value into Python on a model that takes ``position_ids``, on one that passes
     them (module doc); any other failure, or a second one, is raised as it is."""
+    said = io.StringIO()  # torch prints the failed trace's graph: shown unless retried
     try:
-        return trace(exportable(model, batch_size, max_cache_len))
+        with contextlib.redirect_stderr(said):
+            return trace(exportable(model, batch_size, max_cache_len))
     except ExportError as e:
         if not (data_dependent(e) and takes_positions(model)):
             raise
+        said = None
         say(f"{type(model).__name__} derives its positions from the cache's length in Python; "
             "tracing again with position_ids = cache_position")
+    finally:
+        if said is not None:
+            sys.stderr.write(said.getvalue())
     return trace(exportable(model, batch_size, max_cache_len, positions=True))
 
 
