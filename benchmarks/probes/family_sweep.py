@@ -1,6 +1,7 @@
 """Which families export, save, load and serve through buckets with eager's values?
 
     python -m benchmarks.probes.family_sweep [--families Bert,ViT,...] [--part export,buckets]
+    python -m benchmarks.probes.family_sweep --part generate    # the decoder families
 
 Why this exists: the deploy paths are tested on a handful of models; users bring others. Over
 the forward families of ``benchmarks.architectures`` (tiny random configs), each in turn:
@@ -12,7 +13,11 @@ the forward families of ``benchmarks.architectures`` (tiny random configs), each
 - ``buckets`` (text encoders): ``compile_for_encoder`` and ``export_for_encoder`` with
   ``{"seq": [16, 32], "batch": [1, 4]}`` on two rows of 13 tokens (one with masked tokens),
   ``last_hidden_state`` at real tokens against eager's; or the refusal, when padding would
-  change the values.
+  change the values;
+- ``generate`` (the decoder families): ``export_for_generate`` (cache 48, prefill 8, ``ort``)
+  in fp32 and with ``quantize="w4"``, ``save``, ``load``, then 12 greedy tokens after prompts
+  of 5 and 13 tokens: fp32 against eager's static-cache ``generate()`` (equal), w4 generated
+  (its tokens are not float's).
 
 Each row is "equal", the refusal's first words, or the error. Writes
 ``benchmarks/probes/results/family_sweep.{json,md}``.
@@ -103,29 +108,67 @@ def buckets_one(family: str) -> str:
     return "equal" if all(torch.allclose(x, want, **TOL) for x in got) else "DIFFERENT"
 
 
+def generate_one(family: str, quantize: str | None) -> str:
+    from benchmarks.architectures import _build
+    from fxpass.backends.bpu import export_for_generate, load
+
+    model, _ = _build(family)
+    g = torch.Generator().manual_seed(1)
+    opts = {"min_compute_macs": 0, **({"quantize": quantize} if quantize else {})}
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = export_for_generate(model, max_cache_len=48, prefill_length=8,
+                                          device="ort", options=opts)
+            runner = load(program.save(tempfile.mkdtemp() + "/p"))
+            for n in (5, 13):
+                ids = torch.randint(3, 500, (1, n), generator=g)
+                got = runner.generate(ids, max_new_tokens=12, eos_token_id=[])
+                if quantize:
+                    if got.shape != (1, n + 12):
+                        return f"DIFFERENT: {tuple(got.shape)} tokens"
+                    continue
+                want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=12, eos_token_id=None,
+                                      cache_implementation="static",
+                                      cache_config={"max_cache_len": 48})
+                if not torch.equal(got, want):
+                    return "DIFFERENT"
+    except Exception as e:  # noqa: BLE001 - the row says what went wrong
+        return _outcome(e)
+    return "generated" if quantize else "equal"
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks import harness
-    from benchmarks.architectures import FORWARD
+    from benchmarks.architectures import FAMILIES, FORWARD
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=None)
     ap.add_argument("--part", default="export,buckets")
     args = ap.parse_args(argv)
-    families = args.families.split(",") if args.families else list(FORWARD)
+    decoders = args.part == "generate"
+    families = args.families.split(",") if args.families else list(
+        FAMILIES if decoders else FORWARD)
     rows = []
     for f in families:
         torch._dynamo.reset()
         row = {"family": f}
-        if "export" in args.part:
+        if decoders:
+            row["generate, fp32"] = generate_one(f, None)
+            torch._dynamo.reset()
+            row["generate, w4"] = generate_one(f, "w4")
+        if "export" in args.part and not decoders:
             row["export, save, load"] = export_one(f)
-        if "buckets" in args.part and FORWARD[f][3] == "text":
+        if "buckets" in args.part and not decoders and FORWARD[f][3] == "text":
             torch._dynamo.reset()
             row["buckets (compiled and packaged)"] = buckets_one(f)
         print(row, flush=True)
         rows.append(row)
-    cols = ["family", "export, save, load", "buckets (compiled and packaged)"]
+    cols = ["family", "export, save, load", "buckets (compiled and packaged)",
+            "generate, fp32", "generate, w4"]
     md = harness.markdown_table(rows, [c for c in cols if any(c in r for r in rows)])
-    save("family_sweep", {"rows": rows}, md)
+    save("family_sweep_generate" if decoders else "family_sweep", {"rows": rows}, md)
 
 
 if __name__ == "__main__":
