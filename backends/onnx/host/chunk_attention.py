@@ -95,8 +95,8 @@ def _spread(where: ir.Node, batch: int, hk: int, length: int,
             dim: int) -> tuple[ir.Value, ir.Value] | None:
     """(E, rows) of ``Where(hit, Reshape(MatMul(spread(E), Reshape(rows))), cache)``, with
     ``hit`` = any(E, -1); None for any other form."""
-    mm = producer_of(producer_of(where.inputs[1], "Reshape").inputs[0]
-                     if producer_of(where.inputs[1], "Reshape") else None, "MatMul")
+    view = producer_of(where.inputs[1], "Reshape")
+    mm = producer_of(view.inputs[0], "MatMul") if view is not None else None
     if mm is None:
         return None
     a, r = mm.inputs
