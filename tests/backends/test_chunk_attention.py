@@ -75,6 +75,12 @@ def _check(compiled, step, d, start, mask, fused=1, positions=None):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+def test_the_kernel_takes_chunks_here():
+    from fxpass.backends.onnx.host.chunk_attention import chunks_available
+
+    assert chunks_available()  # else nothing below would exercise the fusion
+
+
 @pytest.mark.parametrize("mask", ["causal", "window", "additive", "finfo-min"])
 def test_fuses_and_matches_eager_at_every_start(mask, opts):
     step = _step(8)
