@@ -41,6 +41,14 @@ class DeviceError(RuntimeError):
     """A device broke the device contract, or is not installed; the message names it."""
 
 
+class CallDeclined(RuntimeError):
+    """Raised by an executor that cannot answer *this* call exactly (a check on the inputs'
+    values failed: a fused kernel's preconditions), before it changed anything. Under
+    ``torch.compile`` the region answers that call eagerly and tries its executor again on the
+    next one; any other executor error makes the region eager for good. A package, which has
+    no eager copy, raises it with the reason."""
+
+
 @dataclass(frozen=True)
 class NoOptions:
     """A device with no options of its own."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.fx import GraphModule
 
-from fxpass.device import Artifact
+from fxpass.device import Artifact, CallDeclined
 
 
 class RegionFallbackWarning(UserWarning):
@@ -196,6 +196,8 @@ class RegionCall(torch.nn.Module):
         self._outs = [(i, s, math.prod(s)) for i, s in enumerate(out_shapes) if s is not None]
         self.strict = strict
         self.failed: str | None = None if executor is not None else "not compiled"
+        #: calls the executor declined and eager answered (``_declined``)
+        self.declined = 0
 
     def _eager(self) -> GraphModule:
         if self._eager_factory is not None:
@@ -214,6 +216,8 @@ class RegionCall(torch.nn.Module):
                     )
             try:
                 outs = self.executor(*tensors)
+            except CallDeclined as e:  # this call's values only: eager now, the region next
+                return self._declined(f"{type(e).__name__}: {e}", tensors)
             except Exception as e:  # noqa: BLE001 - any executor failure must not give a wrong answer
                 return self._fallback(f"{type(e).__name__}: {e}", tensors)
             if len(outs) != len(self.out_shapes):
@@ -235,6 +239,22 @@ class RegionCall(torch.nn.Module):
                     views[i] = o.reshape(shape)
             return outs if views is None else tuple(views)
         return tuple(self._eager()(*tensors))
+
+    def _declined(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
+        """A call the executor declined (``fxpass.device.CallDeclined``): eager's answer for
+        it, a warning the first time. Why not eager for good: a decline is about one call's
+        values (a prompt batch with padded rows the fused attention cannot take), and the
+        region's next calls are usually its own."""
+        if self.strict:
+            raise RuntimeError(f"{self.who} region {self.name} cannot run: {why} (strict=True)")
+        out = tuple(self._eager()(*tensors))
+        self.declined += 1
+        if self.declined == 1:
+            warnings.warn(
+                f"{self.who} region {self.name} answered a call eagerly: {why}; its later "
+                "calls still try the region (warned once per region)",
+                RegionFallbackWarning, stacklevel=3)
+        return out
 
     def _fallback(self, why: str, tensors: tuple) -> tuple[torch.Tensor, ...]:
         if self.strict:

@@ -120,15 +120,28 @@ def test_masks_it_cannot_answer_exactly_are_declined(case, opts):
 
 @pytest.mark.parametrize("positions", [[5, 4, 6, 7], [4, 5, 7, 8]])
 def test_positions_that_are_not_consecutive_are_declined_and_written_as_eager_does(
-        positions, opts):
+        positions, opts, monkeypatch):
     """The kernel writes rows start..start+L-1; a chunk written elsewhere (its positions
     out of order, or with a gap) is declined before the kernel runs (it is given a length it
-    refuses), then answered eagerly, caches included."""
+    refuses), then answered eagerly, caches included. A decline is about that call: the
+    next ones are the region's again, and it warns once."""
+    from fxpass.jit.runtime import RegionCall
+
+    eager = []
+    real = RegionCall._eager
+    monkeypatch.setattr(RegionCall, "_eager", lambda self: eager.append(1) or real(self))
     step = _step(8)
     compiled = _compile(step, opts, strict=False)
     _check(compiled, step, 8, 4, _causal(4))  # fused
     with pytest.warns(RegionFallbackWarning, match="chunk_attention"):  # the mask is fine
         _check(compiled, step, 8, 4, _causal(4), positions=positions, fused=None)
+    assert eager == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RegionFallbackWarning)
+        _check(compiled, step, 8, 6, _causal(6), fused=None)  # the region's answer
+        assert eager == [1]
+        _check(compiled, step, 8, 4, _causal(4), positions=positions, fused=None)
+    assert eager == [1, 1]  # declined again, not warned again
 
 
 def test_head_sizes_the_kernel_refuses_keep_the_attention_kernel(opts):

@@ -17,7 +17,9 @@ Matched (shapes static)::
     If(guard, Attention(q, k, v, mask), decomposed)      q: [B, H, L, D], L > 1, scale only
     k = Where(hit, Reshape(MatMul(spread(E), Reshape(k_rows))), k_cache)   (v: the same E)
     hit = Reshape(Cast(ReduceMax(Cast(E), axis -1)))   E: bool [S, L] (slot s holds row j)
-    rows: [B, Hk, L, D];  caches: [B, Hk, S, D];  mask: [B|1, 1, L, S] additive or bool
+    rows: [1, Hk, L, D];  caches: [1, Hk, S, D];  mask: [1, 1, L, S] additive or bool
+    (one row of a batch: onnxruntime's CPU kernel refuses a chunk over a filled cache for
+    more, "batch_size must be 1 when sequence_length > 1 and past context is given")
 
 Rewritten::
 
@@ -180,6 +182,8 @@ def _match(branch: ir.Node) -> _Match | None:
     if qs is None or len(qs) != 4 or qs[2] < 2 or q.dtype != ir.DataType.FLOAT:
         return None
     b, h, length, d = qs
+    if b != 1:  # onnxruntime's CPU kernel takes a chunk over a filled cache for one row only
+        return None
     wk, wv = producer_of(k, "Where"), producer_of(v, "Where")
     if wk is None or wv is None or wk.inputs[0] is not wv.inputs[0] or d % 8:
         return None

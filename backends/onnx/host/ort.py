@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fxpass.backends.onnx.host.binding import Binding
+from fxpass.device import CallDeclined
 from fxpass.jit.runtime import as_numpy as _np
 from fxpass.jit.runtime import as_tensor as _tensor
 from fxpass.jit.runtime import malloc_trim as _malloc_trim
@@ -62,9 +63,10 @@ _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float6
               torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
-class RegionDeclined(RuntimeError):
-    """The region's fused model cannot answer this call exactly (its ``fxpass_ok`` is False):
-    the region answers it as it answers any executor failure (eagerly, or an error)."""
+class RegionDeclined(CallDeclined):
+    """The region's fused model cannot answer this call exactly (its ``fxpass_ok`` is False,
+    or its kernel refused the position it was given before running): the region answers this
+    call eagerly (or raises, in a package) and tries the fused model again on the next."""
 
 
 def ort_log_level() -> int:
