@@ -104,7 +104,7 @@ def test_a_mask_reading_past_the_position_is_declined_never_answered_wrong(opts)
     compiled = _compile(step, opts, strict=False)
     with pytest.warns(RegionFallbackWarning, match="decode_attention"):
         _check(compiled, step, 8, 4, future)
-    _check(compiled, step, 8, 5, _causal(5))  # the region's own answer again (a decline is per call)
+    _check(compiled, step, 8, 5, _causal(5))  # the region's own answer again
 
 
 @pytest.mark.parametrize("value", ["written-slot-masked", "nan", "huge"])
