@@ -57,6 +57,7 @@ from fxpass.backends.onnx.host.decode_attention import (
     _outer_mask,
     add_ok,
     detach_branch,
+    guarded_attention,
     kernel_available,
 )
 from fxpass.backends.onnx.host.onnx_match import const_array, producer_of, static_shape
@@ -166,15 +167,10 @@ def _spread(where: ir.Node, batch: int, hk: int, length: int,
 
 
 def _match(branch: ir.Node) -> _Match | None:
-    then = branch.attributes.get("then_branch")
-    if then is None or branch.domain != "" or len(branch.outputs) != 1:
+    attn = guarded_attention(branch)
+    if attn is None:
         return None
-    nodes = list(then.value)
-    attn = nodes[-1] if nodes else None
-    if attn is None or attn.op_type != "Attention" or set(attn.attributes) - {"scale"}:
-        return None
-    if len(then.value.outputs) != 1 or then.value.outputs[0] is not attn.outputs[0]:
-        return None
+    then = branch.attributes["then_branch"]
     q, k, v, *rest = attn.inputs
     if any(r is not None for r in rest[1:]) or not rest or rest[0] is None:
         return None  # no mask: eager attends every slot (the zeros past the chunk too)

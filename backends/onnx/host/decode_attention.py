@@ -213,7 +213,9 @@ class _Match:
         self.mask, self.keep = mask, keep  # keep: bool mask True = attend; None: additive
 
 
-def _match(branch: ir.Node) -> _Match | None:
+def guarded_attention(branch: ir.Node) -> ir.Node | None:
+    """The ``Attention`` node (scale its only attribute) that is the whole answer of the
+    then-branch of ``branch``, the attention fusion's ``If``; None for any other node."""
     then = branch.attributes.get("then_branch")
     if then is None or branch.domain != "" or len(branch.outputs) != 1:
         return None
@@ -223,6 +225,14 @@ def _match(branch: ir.Node) -> _Match | None:
         return None
     if len(then.value.outputs) != 1 or then.value.outputs[0] is not attn.outputs[0]:
         return None
+    return attn
+
+
+def _match(branch: ir.Node) -> _Match | None:
+    attn = guarded_attention(branch)
+    if attn is None:
+        return None
+    then = branch.attributes["then_branch"]
     q, k, v, *rest = attn.inputs
     if any(r is not None for r in rest[1:]):  # the attention's own past key/value: not ours
         return None
