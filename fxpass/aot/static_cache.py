@@ -105,36 +105,52 @@ def same_elsewhere(wrapper: torch.nn.Module, kwargs: dict[str, torch.Tensor],
         cache = [t for layer in wrapper.static_cache.layers
                  for t in (getattr(layer, k, None) for k in ("keys", "values", "cumulative_length"))
                  if isinstance(t, torch.Tensor)]
-        kept = [t.clone() for t in cache]
-        g = torch.Generator().manual_seed(0)
-        filled = [torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point()
-                  else t.clone() for t in cache]
+        kept = [t.clone() for t in cache]  # with one copy of the written caches below: 2x
+        module = ep.module()
+        # the program's own cache buffers, by the wrapper's names (today the same tensors)
+        names = {id(t): n for n, t in wrapper.named_buffers()}
+        theirs = dict(module.named_buffers())
+        mine = [t for t in cache if t.is_floating_point()]
+        rows = [theirs.get(names.get(id(t)), t) for t in mine]
+        own = [(r, r.clone()) for r, t in zip(rows, mine, strict=True) if r is not t]
+
+        def fill(tensors: list[torch.Tensor]) -> None:  # the same random rows for both runs
+            g = torch.Generator().manual_seed(0)
+            for t in tensors:
+                t.copy_(torch.randn(t.shape, generator=g))
+
         vocab = getattr(wrapper.model.config.get_text_config(), "vocab_size", None) or 2
-        at = {"input_ids": torch.randint(0, vocab, tuple(ids.shape), generator=g),
+        at = {"input_ids": torch.randint(0, vocab, tuple(ids.shape),
+                                         generator=torch.Generator().manual_seed(1)),
               "cache_position": pos + start}
-        runs = []
         try:
-            for fn in (wrapper, ep.module()):
-                for t, f in zip(cache, filled, strict=True):
-                    t.copy_(f)
-                out = fn(**at)
-                runs.append([out, *(t.clone() for t in cache if t.is_floating_point())])
+            fill(mine)
+            want = [wrapper(**at), *(t.clone() for t in mine)]
+            fill(rows)
+            got = [module(**at), *rows]
+            _compare(want, got, wrapper, pos.numel(), start, max_cache_len)
         finally:
-            for t, k in zip(cache, kept, strict=True):
+            for t, k in [*zip(cache, kept, strict=True), *own]:
                 t.copy_(k)
-        for what, want, got in zip(["logits"] + ["cache"] * len(cache), *runs, strict=False):
-            tol = TOLERANCE.get(want.dtype, 1e-4)
-            scale = max(float(want.float().abs().nan_to_num(0, 0, 0).max()), 1.0)
-            if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale,
-                                  equal_nan=True):
-                err = float((got.float() - want.float()).abs().nan_to_num(0, 0, 0).max())
-                raise ExportError(
-                    f"cannot export {type(wrapper.model).__name__}: torch.export's program, "
-                    f"traced at positions 0..{pos.numel() - 1}, gives other {what} than the "
-                    f"model at positions {start}..{max_cache_len - 1} (max |diff| {err:.3g}, "
-                    f"values up to {scale:.3g}): the model reads a value from its cache into "
-                    "Python, and torch.export fixed it at the traced position. Fix: run it "
-                    "compiled instead (compile_for_generate), which traces again where the "
-                    "value changes")
 
     return check
+
+
+def _compare(want: list[torch.Tensor], got: list[torch.Tensor], wrapper: torch.nn.Module,
+             length: int, start: int, max_cache_len: int) -> None:
+    """Raise :class:`ExportError` at the first of logits, then caches, that differs beyond
+    float rounding (``TOLERANCE``, relative to the largest finite value, at least 1)."""
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        tol = TOLERANCE.get(w.dtype, 1e-4)
+        w, g = w.float(), g.float()
+        scale = max(float(w.abs().nan_to_num(0, 0, 0).max()), 1.0)
+        if torch.allclose(g, w, rtol=tol, atol=tol * scale, equal_nan=True):
+            continue
+        err = float((g - w).abs().nan_to_num(0, 0, 0).max())
+        raise ExportError(
+            f"cannot export {type(wrapper.model).__name__}: torch.export's program, traced at "
+            f"positions 0..{length - 1}, gives other {'logits' if i == 0 else 'cache writes'} "
+            f"than the model at positions {start}..{max_cache_len - 1} (max |diff| {err:.3g}, "
+            f"values up to {scale:.3g}): the model reads a value from its cache into Python, "
+            "and torch.export fixed it at the traced position. Fix: run it compiled instead "
+            "(compile_for_generate), which traces again where the value changes")
