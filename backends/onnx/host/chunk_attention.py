@@ -49,16 +49,16 @@ import math
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fxpass.backends.onnx.host.decode_attention import (
     DOMAIN,
     _Builder,
     _outer_mask,
-    add_ok,
     detach_branch,
+    fuse_guarded,
     guarded_attention,
     kernel_available,
+    probe_kernel,
 )
 from fxpass.backends.onnx.host.onnx_match import const_array, producer_of, static_shape
 
@@ -73,19 +73,9 @@ class _Match:
 
 def fuse_chunk_attention(model: ir.Model) -> int:
     """Replace each matched chunk attention in ``model`` (module doc); returns how many."""
-    graph = model.graph
     if not (kernel_available() and chunks_available()):
         return 0
-    matches = [m for m in map(_match, [n for n in graph if n.op_type == "If"]) if m]
-    if not matches:
-        return 0
-    b = _ChunkBuilder(graph)
-    for m in matches:
-        b.rewrite(m)
-    add_ok(graph, b.flags)
-    model.opset_imports.setdefault(DOMAIN, 1)
-    RemoveUnusedNodesPass()(model)  # the old guards, spreads and row writes, now unread
-    return len(matches)
+    return fuse_guarded(model, _match, _ChunkBuilder)
 
 
 @functools.cache
@@ -93,34 +83,16 @@ def chunks_available() -> bool:
     """Whether this onnxruntime's CPU ``GroupQueryAttention`` takes a chunk of two rows over
     a static cache already holding one (onnxruntime ``>= 1.20`` is allowed; not every version
     takes both), probed once against the answer worked out by hand."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    f, d = TensorProto.FLOAT, 8
-    spec = [("q", f, [1, 2, d]), ("k", f, [1, 2, d]), ("v", f, [1, 2, d]),
-            ("pk", f, [1, 1, 4, d]), ("pv", f, [1, 1, 4, d]), ("seq", TensorProto.INT32, [1]),
-            ("tot", TensorProto.INT32, [])]
-    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seq", "tot"],
-                            ["o", "pk2", "pv2"], domain=DOMAIN, num_heads=1, kv_num_heads=1,
-                            scale=1.0)
-    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info(*x) for x in spec],
-                              [helper.make_tensor_value_info(o, f, None) for o in node.output])
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(DOMAIN, 1)])
-    proto.ir_version = 10
+    d = 8
     past = np.zeros((1, 1, 4, d), np.float32)
     past[0, 0, 0] = 1.0  # slot 0 holds ones; the chunk writes 2.0 and 4.0 at slots 1 and 2
     rows = np.stack([np.full(d, 2.0), np.full(d, 4.0)])[None].astype(np.float32)
-    feeds = {"q": np.zeros((1, 2, d), np.float32), "k": np.zeros((1, 2, d), np.float32),
-             "v": rows, "pk": past * 0, "pv": past, "seq": np.array([2], np.int32),
-             "tot": np.array(3, np.int32)}
-    try:
-        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-        out = sess.run(["o"], feeds)[0]
-    except Exception:  # noqa: BLE001 - any failure means: chunks are not available here
-        return False
+    out = probe_kernel({"q": np.zeros((1, 2, d), np.float32),
+                        "k": np.zeros((1, 2, d), np.float32), "v": rows, "pk": past * 0,
+                        "pv": past, "seq": np.array([2], np.int32),
+                        "tot": np.array(3, np.int32)})
     # equal weights, causal: row 0 over slots 0..1 -> (1 + 2) / 2; row 1 over 0..2 -> 7 / 3
-    return bool(np.allclose(out[0, :, 0], [1.5, 7 / 3]))
+    return out is not None and bool(np.allclose(out[0, :, 0], [1.5, 7 / 3]))
 
 
 def _through(v: ir.Value | None, *ops: str) -> ir.Value | None:

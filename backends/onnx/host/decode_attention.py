@@ -50,6 +50,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -71,20 +73,7 @@ DECLINED = (
 
 def fuse_decode_attention(model: ir.Model) -> int:
     """Replace each matched single-token attention in ``model`` (above); returns how many."""
-    graph = model.graph
-    if not kernel_available():
-        return 0
-    matches = [m for m in map(_match, [n for n in graph if n.op_type == "If"]) if m]
-    if not matches:
-        return 0
-    b = _Builder(graph)
-    for m in matches:
-        b.rewrite(m)
-    add_ok(graph, b.flags)
-    model.opset_imports.setdefault(DOMAIN, 1)
-    # the old guards and row writes, now unread: gone before the row-write fusion sees them
-    RemoveUnusedNodesPass()(model)
-    return len(matches)
+    return fuse_guarded(model, _match, _Builder) if kernel_available() else 0
 
 
 def add_ok(graph: ir.Graph, flags: list[ir.Value]) -> None:
@@ -178,32 +167,57 @@ def _graph_output_of(v: ir.Value | None) -> ir.Value | None:
 def kernel_available() -> bool:
     """Whether this onnxruntime runs ``GroupQueryAttention`` with an ``attention_bias`` on the
     CPU, probed once with a one-node model against its known answer."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
+    d = 8  # the kernel takes head sizes in multiples of 8
+    z = np.zeros((1, 1, 2, d), np.float32)
+    v = np.full((1, 1, d), 3.0, np.float32)
+    out = probe_kernel({"q": v * 0, "k": v * 0, "v": v, "pk": z, "pv": z + 1,
+                        "seq": np.array([1], np.int32), "tot": np.array(2, np.int32),
+                        "bias": np.zeros((1, 1, 1, 2), np.float32)})
+    # equal weights over slot 0 (1s) and the row (3s)
+    return out is not None and bool(np.allclose(out, 2.0))
 
-    f, d = TensorProto.FLOAT, 8  # the kernel takes head sizes in multiples of 8
-    spec = [("q", f, [1, 1, d]), ("k", f, [1, 1, d]), ("v", f, [1, 1, d]),
-            ("pk", f, [1, 1, 2, d]), ("pv", f, [1, 1, 2, d]), ("seq", TensorProto.INT32, [1]),
-            ("tot", TensorProto.INT32, []), ("bias", f, [1, 1, 1, 2])]
-    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seq", "tot", "",
-                                                    "", "", "bias"], ["o", "pk2", "pv2"],
-                            domain=DOMAIN, num_heads=1, kv_num_heads=1, scale=1.0)
-    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info(*s) for s in spec],
-                              [helper.make_tensor_value_info(o, f, None) for o in node.output])
+
+def probe_kernel(feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The output of a one-head ``GroupQueryAttention`` (scale 1) over ``feeds`` (``q``,
+    ``k``, ``v``, ``pk``, ``pv``, ``seq``, ``tot``, and ``bias`` if given) on this
+    onnxruntime's CPU, or None where it fails."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    names = ["q", "k", "v", "pk", "pv", "seq", "tot", *(["", "", "", "bias"] if "bias" in feeds
+                                                        else [])]
+    node = helper.make_node("GroupQueryAttention", names, ["o", "pk2", "pv2"], domain=DOMAIN,
+                            num_heads=1, kv_num_heads=1, scale=1.0)
+    spec = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for k, a in feeds.items()]
+    f = helper.np_dtype_to_tensor_dtype(np.dtype(np.float32))
+    graph = helper.make_graph([node], "probe", spec, [
+        helper.make_tensor_value_info(o, f, None) for o in node.output])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid(DOMAIN, 1)])
     proto.ir_version = 10
-    z = np.zeros((1, 1, 2, d), np.float32)
-    v = np.full((1, 1, d), 3.0, np.float32)
-    feeds = {"q": v * 0, "k": v * 0, "v": v, "pk": z, "pv": z + 1,
-             "seq": np.array([1], np.int32), "tot": np.array(2, np.int32),
-             "bias": np.zeros((1, 1, 1, 2), np.float32)}
     try:
         sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-        out = sess.run(["o"], feeds)[0]
+        return sess.run(["o"], feeds)[0]
     except Exception:  # noqa: BLE001 - any failure means: the kernel is not available here
-        return False
-    return bool(np.allclose(out, 2.0))  # equal weights over slot 0 (1s) and the row (3s)
+        return None
+
+
+def fuse_guarded(model: ir.Model, match: Callable[[ir.Node], Any], builder: type) -> int:
+    """Rewrite every ``If`` that ``match`` takes with ``builder(graph).rewrite``, their flags
+    into ``fxpass_ok``; returns how many. Shared by the decode and chunk fusions."""
+    graph = model.graph
+    matches = [m for m in map(match, [n for n in graph if n.op_type == "If"]) if m]
+    if not matches:
+        return 0
+    b = builder(graph)
+    for m in matches:
+        b.rewrite(m)
+    add_ok(graph, b.flags)
+    model.opset_imports.setdefault(DOMAIN, 1)
+    # the old guards and row writes, now unread: gone before the row-write fusion sees them
+    RemoveUnusedNodesPass()(model)
+    return len(matches)
 
 
 class _Match:
