@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fxpass
 from fxpass.jit.runtime import RegionFallbackWarning
+from tests.backends.test_decode_attention import _compile, against_eager
 
 H, HK, S, L = 4, 2, 16, 4
 
@@ -44,11 +44,6 @@ def _inputs(d: int, start: int, seed: int = 1, positions=None):
     return caches, torch.randn(1, L, 16, generator=g), p
 
 
-def _compile(step, opts, strict=True):
-    return torch.compile(step, backend="fxpass_ort", dynamic=False,
-                         options={**opts, "strict": strict})
-
-
 def _causal(start, additive=False, masked=float("-inf"), window=None):
     slots, rows = torch.arange(S), torch.arange(start, start + L).view(L, 1)
     keep = slots <= rows
@@ -61,18 +56,8 @@ def _causal(start, additive=False, masked=float("-inf"), window=None):
 
 
 def _check(compiled, step, d, start, mask, fused=1, positions=None):
-    (kc, vc), x, p = _inputs(d, start, positions=positions)
-    want_k, want_v = kc.clone(), vc.clone()
-    want = step(want_k, want_v, x, p, mask)
-    before = len(fxpass.compile_reports())
-    got = compiled(kc, vc, x, p, mask)
-    reports = fxpass.compile_reports()[before:]
-    if reports and fused is not None:
-        (report,) = reports
-        assert sum(r.fusions.get("chunk_attention", 0) for r in report.regions) == fused, (
-            str(report))
-    for g, w in ((got, want), (kc, want_k), (vc, want_v)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    against_eager(compiled, step, _inputs(d, start, positions=positions), mask,
+                  "chunk_attention", fused)
 
 
 def test_the_kernel_takes_chunks_here():

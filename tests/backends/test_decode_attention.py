@@ -54,7 +54,13 @@ def _compile(step, opts, strict=True):
 
 
 def _check(compiled, step, d, pos, mask, fused=1):
-    (kc, vc), x, p = _inputs(d, pos)
+    return against_eager(compiled, step, _inputs(d, pos), mask, "decode_attention", fused)
+
+
+def against_eager(compiled, step, inputs, mask, fusion, fused):
+    """``compiled`` against eager ``step`` on the same ``inputs`` (caches included), and
+    ``fused`` regions of ``fusion`` if this call compiled (None: not counted)."""
+    (kc, vc), x, p = inputs
     want_k, want_v = kc.clone(), vc.clone()
     want = step(want_k, want_v, x, p, mask)
     before = len(fxpass.compile_reports())
@@ -62,8 +68,7 @@ def _check(compiled, step, d, pos, mask, fused=1):
     reports = fxpass.compile_reports()[before:]
     if reports and fused is not None:
         (report,) = reports
-        assert sum(r.fusions.get("decode_attention", 0) for r in report.regions) == fused, (
-            str(report))
+        assert sum(r.fusions.get(fusion, 0) for r in report.regions) == fused, str(report)
     for g, w in ((got, want), (kc, want_k), (vc, want_v)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
     return got, want

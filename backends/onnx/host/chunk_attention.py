@@ -139,10 +139,10 @@ def _spread(where: ir.Node, batch: int, hk: int, length: int,
 
 
 def _match(branch: ir.Node) -> _Match | None:
-    attn = guarded_attention(branch)
-    if attn is None:
+    found = guarded_attention(branch)
+    if found is None:
         return None
-    then = branch.attributes["then_branch"]
+    attn, then = found
     q, k, v, *rest = attn.inputs
     if any(r is not None for r in rest[1:]) or not rest or rest[0] is None:
         return None  # no mask: eager attends every slot (the zeros past the chunk too)
@@ -167,7 +167,7 @@ def _match(branch: ir.Node) -> _Match | None:
         return None
     if any(x.dtype != ir.DataType.FLOAT for x in (*caches, found[0][1], found[1][1])):
         return None
-    mask, keep = _outer_mask(rest[0], then.value)
+    mask, keep = _outer_mask(rest[0], then)
     ms = static_shape(mask)
     if mask is None or ms is None or len(ms) != 4 or ms[-2:] != (length, s) or ms[1] != 1 or (
             ms[0] not in (1, b)):

@@ -227,9 +227,10 @@ class _Match:
         self.mask, self.keep = mask, keep  # keep: bool mask True = attend; None: additive
 
 
-def guarded_attention(branch: ir.Node) -> ir.Node | None:
+def guarded_attention(branch: ir.Node) -> tuple[ir.Node, ir.Graph] | None:
     """The ``Attention`` node (scale its only attribute) that is the whole answer of the
-    then-branch of ``branch``, the attention fusion's ``If``; None for any other node."""
+    then-branch of ``branch``, the attention fusion's ``If``, and that branch's graph; None
+    for any other node."""
     then = branch.attributes.get("then_branch")
     if then is None or branch.domain != "" or len(branch.outputs) != 1:
         return None
@@ -239,14 +240,14 @@ def guarded_attention(branch: ir.Node) -> ir.Node | None:
         return None
     if len(then.value.outputs) != 1 or then.value.outputs[0] is not attn.outputs[0]:
         return None
-    return attn
+    return attn, then.value
 
 
 def _match(branch: ir.Node) -> _Match | None:
-    attn = guarded_attention(branch)
-    if attn is None:
+    found = guarded_attention(branch)
+    if found is None:
         return None
-    then = branch.attributes["then_branch"]
+    attn, then = found
     q, k, v, *rest = attn.inputs
     if any(r is not None for r in rest[1:]):  # the attention's own past key/value: not ours
         return None
@@ -272,7 +273,7 @@ def _match(branch: ir.Node) -> _Match | None:
         return None
     mask, keep = None, None
     if rest and rest[0] is not None:
-        mask, keep = _outer_mask(rest[0], then.value)
+        mask, keep = _outer_mask(rest[0], then)
         if mask is None:
             return None
         ms = static_shape(mask)
