@@ -22,8 +22,8 @@ sample.txt`` (top-1 next-token agreement, mean logit cosine, perplexity: the pac
 prefill program, GenAI's ONNX model through onnxruntime, as ``benchmarks.weight_only``), the
 package size against the fp32 weights, the export time, and decode ms/token over 32 new
 tokens (medians of round-robin samples). SmolLM2's weights come from Q4_1 blocks of 32 (a
-minimum and a step per block), which asymmetric settings at block 32 re-find almost exactly:
-read block 128 for what a setting does to weights that were never int4. Writes
+minimum and a step per block, which an int4 zero point cannot hold exactly): read both block
+sizes, not block 32 alone. Writes
 ``benchmarks/probes/results/w4_quality.{json,md}``.
 """
 
