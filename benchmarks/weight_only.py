@@ -38,6 +38,7 @@ import torch
 from benchmarks import executorch as ET
 from benchmarks import harness
 from benchmarks.generate import GenAI, _build, _hf_generate
+from fxpass.aot.quality import agreement
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK, POSITIONS = 32, 256
@@ -125,18 +126,6 @@ def _jit(model: Any, max_len: int, options: dict) -> Any:
     return m
 
 
-def _package_logits(runner: Any, ids: torch.Tensor) -> torch.Tensor:
-    """The package's own prefill program over ``ids`` (a multiple of its chunk), every
-    position's logits: teacher forcing through exactly what ``generate`` runs."""
-    outs = []
-    with torch.no_grad(), runner._acquire() as slot:
-        for pos in range(0, ids.shape[1], runner.prefill_length):
-            (out,) = slot.prefill(ids[:, pos:pos + runner.prefill_length].contiguous(),
-                                  runner._positions[pos:pos + runner.prefill_length])
-            outs.append(out.float().clone())
-    return torch.cat(outs, 1)[0]
-
-
 def _genai_logits(g: GenAI, ids: torch.Tensor) -> torch.Tensor:
     """GenAI's ONNX model over ``ids`` with an empty cache, run by onnxruntime."""
     import onnxruntime as ort
@@ -158,13 +147,6 @@ def _genai_logits(g: GenAI, ids: torch.Tensor) -> torch.Tensor:
             raise RuntimeError(f"GenAI model input {i.name!r} is not one this benchmark feeds")
     logits = sess.run(["logits"], feeds)[0]
     return torch.from_numpy(logits[0]).float()
-
-
-def _quality(logits: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
-    cos = torch.nn.functional.cosine_similarity(logits.double(), ref.double(), dim=-1)
-    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[0, 1:])
-    return {"top1": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "cosine": float(cos.mean()), "perplexity": float(nll.exp())}
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor, eos: set[int]) -> float:
@@ -207,11 +189,11 @@ def run_model(name: str, new_tokens: tuple[int, ...], repeats: int, tmp: Path,
                                                           eos_token_id=[]))
                   for c, p in packages.items()},
                **genai, **et}
-    quality = {"eager-static": _quality(ref, ref, text)}
-    quality.update({c: _quality(_package_logits(p["runner"], text), ref, text)
+    quality = {"eager-static": agreement(ref, ref, text)}
+    quality.update({c: agreement(p["runner"].score(text)[0], ref, text)
                     for c, p in packages.items()})
-    quality.update({c: _quality(_genai_logits(g, text), ref, text) for c, g in genai.items()})
-    quality.update({c: _quality(e.logits(text), ref, text) for c, e in et.items()})
+    quality.update({c: agreement(_genai_logits(g, text), ref, text) for c, g in genai.items()})
+    quality.update({c: agreement(e.logits(text), ref, text) for c, e in et.items()})
     eager = runners["eager-static"](max(new_tokens))[0, prompt:]
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])

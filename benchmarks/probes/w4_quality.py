@@ -39,6 +39,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.probes import save
+from fxpass.aot.quality import agreement
 
 #: setting -> the ``ort`` device's options besides ``quantize`` and ``block_size``
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -67,7 +68,7 @@ def measure(name: str, blocks: list[int], repeats: int) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             p = W._package(model, max_len, options, tmp, f"{name}-{block}-{setting}")
             built = time.perf_counter() - t0
-            q = W._quality(W._package_logits(p["runner"], text), ref, text)
+            q = agreement(p["runner"].score(text)[0], ref, text)
             key = f"{setting} b{block}"
             runners[key] = (lambda n, r=p["runner"]: r.generate(ids, max_new_tokens=n,
                                                                 eos_token_id=[]))
@@ -76,7 +77,7 @@ def measure(name: str, blocks: list[int], repeats: int) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         g = GenAI(model, ids, max_len, "int4", (f"block_size={block}", "accuracy_level=4"), tok)
         built = time.perf_counter() - t0
-        q = W._quality(W._genai_logits(g, text), ref, text)
+        q = agreement(W._genai_logits(g, text), ref, text)
         size = sum(f.stat().st_size for f in g.dir.rglob("*") if f.is_file())
         key = f"genai int4 b{block}"
         runners[key] = g

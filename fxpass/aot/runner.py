@@ -93,7 +93,7 @@ class Runner:
             with self._lock:
                 self._free.append(slot)
 
-    def _check(self, input_ids: Any, max_new_tokens: int) -> None:
+    def _check(self, input_ids: Any, max_new_tokens: int, least: int = 1) -> None:
         where = f"{self.package.path}"
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or (
                 input_ids.dtype not in (torch.int64, torch.int32)):
@@ -106,8 +106,9 @@ class Runner:
                              f"{self.batch_size}, got {b}; export again with batch_size={b}")
         if t == 0:
             raise ValueError(f"{where}: empty prompt; give at least one token")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < least:
+            raise ValueError(f"{where}: max_new_tokens must be an int >= {least}, got "
+                             f"{max_new_tokens!r}")
         if t + max_new_tokens > self.max_cache_len:
             raise ValueError(
                 f"{where}: the prompt ({t} tokens) plus max_new_tokens ({max_new_tokens}) is "
@@ -144,6 +145,37 @@ class Runner:
         for i in range(pos, t):
             logits = slot.decode(input_ids[:, i:i + 1].contiguous(), self._at[i])[0]
         return logits
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The logits after every token of ``input_ids`` (batch, tokens): (batch, tokens,
+        vocab), float32, computed as ``generate`` runs a prompt (whole chunks through the
+        prefill program, the rest as one padded chunk, or a token at a time through the decode
+        program where a padded chunk would pass the cache) on a cache of its own.
+
+        Why: teacher-forced quality of the package itself against the float model, on your
+        own text (``fxpass.aot.quality.agreement``), e.g. before deploying ``quantize="w4"``:
+        what a greedy token-by-token comparison cannot show once the two have diverged."""
+        self._check(input_ids, 0, least=0)
+        ids = input_ids.to(torch.long)
+        p, t = self.prefill_length, ids.shape[1]
+        out = []
+        with self._acquire() as slot, cpu_threads(self._decode.spec.get("cpu_threads")):
+            for s in slot.state.values():
+                s.zero_()
+            pos = 0
+            while t - pos >= p or (pos < t and pos + p <= self.max_cache_len):
+                chunk = ids[:, pos:pos + p]
+                real = chunk.shape[1]
+                if real < p:  # the tail, padded with its last token (``prefill``)
+                    chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, p - real)], 1)
+                (logits,) = slot.prefill(chunk.contiguous(), self._positions[pos:pos + p])
+                out.append(logits[:, :real].float().clone())
+                pos += real
+            for i in range(pos, t):
+                step = slot.decode(ids[:, i:i + 1].contiguous(), self._at[i])[0]
+                out.append(step.float().clone())  # (a step's logits: a buffer it reuses)
+        return torch.cat(out, 1)
 
     @torch.no_grad()
     def generate(

@@ -414,3 +414,61 @@ def test_a_load_that_fails_reading_its_programs_names_that_error(decoder, monkey
     monkeypatch.setattr(device_cls, "open", failing_open)
     with pytest.raises(pkg.PackageError, match="cannot open it: the board is unplugged"):
         load(path)
+
+
+@pytest.mark.parametrize("length", [5, 8, 19, 44, 48])
+def test_score_is_the_float_models_logits_at_every_position(decoder, length):
+    """``Runner.score``: every position's logits through the package's own programs (whole
+    chunks, a padded tail) equal the float model's forward over the same ids (float32:
+    rtol 1e-3, atol 1e-4), on a cache of its own (a generate() after it is unchanged)."""
+    from fxpass.aot.quality import agreement
+
+    model, _, _, runner = decoder
+    ids = _prompt(length, seed=length)
+    with torch.no_grad():
+        want = model(ids).logits
+    got = runner.score(ids)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    q = agreement(got, want, ids)
+    assert q["top1"] == 1.0 and q["cosine"] > 0.99999
+    assert abs(q["perplexity"] / q["reference_perplexity"] - 1) < 1e-3
+    short = _prompt(5)
+    assert torch.equal(runner.generate(short, max_new_tokens=4), _hf(model, short, 4, min_new=4))
+
+
+def test_score_runs_a_tail_past_the_last_chunk_token_by_token(tmp_path):
+    """Where a padded chunk would pass the cache (20 slots, chunks of 8: a 19-token text
+    leaves 3 tokens at 16), the tail runs through the decode program, as ``generate`` does."""
+    model, _ = zoo.get("qwen3")
+    program = export_for_generate(model, max_cache_len=20, prefill_length=8,
+                                  options={"min_compute_macs": 0})
+    runner = load(program.save(tmp_path / "p"))
+    ids = _prompt(19, seed=3)
+    with torch.no_grad():
+        want = model(ids).logits
+    memo = runner.package.programs["decode"].memos[0].table
+    memo.clear()
+    torch.testing.assert_close(runner.score(ids), want, rtol=1e-3, atol=1e-4)
+    assert len(memo) == 3  # one decode step per tail position, 16..18
+    with pytest.raises(ValueError, match="past the cache of 20"):
+        runner.score(_prompt(21))
+
+
+def test_agreement_measures():
+    """Hand-checked: the top logit agrees at 2 of 3 positions; a vector against itself has
+    cosine 1 and against its negation -1; uniform logits over 4 words have perplexity 4."""
+    from fxpass.aot.quality import agreement
+
+    ref = torch.tensor([[[3.0, 1, 0, 0], [0, 2, 1, 0], [1, 0, 0, 5]]])
+    got = torch.tensor([[[3.0, 1, 0, 0], [0, 2, 1, 0], [-1, 0, 0, -5]]])
+    q = agreement(got, ref)
+    assert q["top1"] == pytest.approx(2 / 3)
+    assert q["cosine"] == pytest.approx((1 + 1 - 1) / 3)
+    flat = torch.zeros(1, 3, 4)
+    q = agreement(flat, flat, torch.tensor([[0, 1, 2]]))
+    assert q["perplexity"] == pytest.approx(4.0) and q["reference_perplexity"] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="differ in shape.*Runner.score"):
+        agreement(flat, torch.zeros(1, 2, 4))
+    with pytest.raises(ValueError, match="input_ids have 2 tokens, the logits 3"):
+        agreement(flat, flat, torch.tensor([[0, 1]]))
