@@ -28,6 +28,7 @@ every call ahead of it before its first token (2 s at worst against 0.08 s,
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -129,53 +130,41 @@ class Runner:
         if slot is None:
             with self._acquire() as slot:
                 return self.prefill(input_ids, tail, slot)
-        p, t = self.prefill_length, input_ids.shape[1]
-        pos, logits = 0, None
-        while t - pos >= p:
-            (out,) = slot.prefill(input_ids[:, pos:pos + p], self._positions[pos:pos + p])
-            logits, pos = out[:, -1:, :], pos + p
-        if pos == t:
-            return logits
-        if tail == "pad" and pos + p <= self.max_cache_len:
-            chunk = input_ids[:, pos:]
-            pad = chunk[:, -1:].expand(chunk.shape[0], p - chunk.shape[1])
-            (out,) = slot.prefill(torch.cat([chunk, pad], 1).contiguous(),
-                                  self._positions[pos:pos + p])
-            return out[:, t - pos - 1:t - pos, :]
+        return deque(self._prompt(input_ids, tail, slot), maxlen=1)[0][:, -1:]
+
+    def _prompt(self, ids: torch.Tensor, tail: str, slot: Slot) -> Iterator[torch.Tensor]:
+        """Run ``ids`` into ``slot``'s cache (module doc: whole chunks, then the tail padded
+        or token by token); yields each call's logits at its real tokens (batch, n, vocab),
+        views of a program's output, valid until the next call."""
+        p, t = self.prefill_length, ids.shape[1]
+        pos = 0
+        while t - pos >= p or (tail == "pad" and pos < t and pos + p <= self.max_cache_len):
+            chunk, real = ids[:, pos:pos + p], min(p, t - pos)
+            if real < p:  # the tail, padded with its last token
+                chunk = torch.cat([chunk, chunk[:, -1:].expand(chunk.shape[0], p - real)],
+                                  1).contiguous()
+            (out,) = slot.prefill(chunk, self._positions[pos:pos + p])
+            yield out[:, :real]
+            pos += real
         for i in range(pos, t):
-            logits = slot.decode(input_ids[:, i:i + 1].contiguous(), self._at[i])[0]
-        return logits
+            yield slot.decode(ids[:, i:i + 1].contiguous(), self._at[i])[0]
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The logits after every token of ``input_ids`` (batch, tokens): (batch, tokens,
-        vocab), float32, computed as ``generate`` runs a prompt (whole chunks through the
-        prefill program, the rest as one padded chunk, or a token at a time through the decode
-        program where a padded chunk would pass the cache) on a cache of its own.
+        vocab), float32, computed as ``generate`` runs a prompt (``_prompt``) on a cache of
+        its own.
 
         Why: teacher-forced quality of the package itself against the float model, on your
         own text (``fxpass.aot.quality.agreement``), e.g. before deploying ``quantize="w4"``:
         what a greedy token-by-token comparison cannot show once the two have diverged."""
         self._check(input_ids, 0, least=0)
-        ids = input_ids.to(torch.long)
-        p, t = self.prefill_length, ids.shape[1]
-        out = []
         with self._acquire() as slot, cpu_threads(self._decode.spec.get("cpu_threads")):
             for s in slot.state.values():
                 s.zero_()
-            pos = 0
-            while t - pos >= p or (pos < t and pos + p <= self.max_cache_len):
-                chunk = ids[:, pos:pos + p]
-                real = chunk.shape[1]
-                if real < p:  # the tail, padded with its last token (``prefill``)
-                    chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, p - real)], 1)
-                (logits,) = slot.prefill(chunk.contiguous(), self._positions[pos:pos + p])
-                out.append(logits[:, :real].float().clone())
-                pos += real
-            for i in range(pos, t):
-                step = slot.decode(ids[:, i:i + 1].contiguous(), self._at[i])[0]
-                out.append(step.float().clone())  # (a step's logits: a buffer it reuses)
-        return torch.cat(out, 1)
+            # (copies: each call's logits are a buffer the next call reuses)
+            return torch.cat([x.float().clone() for x in self._prompt(
+                input_ids.to(torch.long), "pad", slot)], 1)
 
     @torch.no_grad()
     def generate(
