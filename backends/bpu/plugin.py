@@ -9,6 +9,7 @@ package's own for ``run`` and ``generate``); ``--march`` is the BPU device's opt
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 from collections.abc import Callable
@@ -90,6 +91,17 @@ def _device_options(args: argparse.Namespace, verb: str) -> dict[str, Any] | Non
     from fxpass.plugins import get_device
 
     options: dict[str, Any] = {}
+    for item in getattr(args, "option", None) or []:
+        name, eq, raw = item.partition("=")
+        if not eq or not name.strip():
+            print(f"fxpass {verb}: --option takes NAME=VALUE (e.g. quantize=w4), got "
+                  f"{item!r}", file=sys.stderr)
+            return None
+        try:  # numbers, True/False/None, quoted strings; anything else is a plain string
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()
+        options[name.strip()] = value
     if args.march is not None:
         if "march" not in get_device(args.device).option_names():
             print(f"fxpass {verb}: --march is an option of device {DEVICE}; device "
@@ -162,6 +174,9 @@ def _export_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--march", type=_march, default=None,
                    help="the BPU's target march (default: the device's, nash-p)")
     e.add_argument("--min-compute-macs", type=_at_least(0), default=None)
+    e.add_argument("--option", "-o", action="append", metavar="NAME=VALUE",
+                   help="a device option, repeatable (e.g. on --device ort: -o quantize=w4 "
+                   "-o block_size=128); the device checks it")
     e.add_argument("--generate", action="store_true",
                    help="a decoder-only LM for generation: prefill and decode programs over a "
                    "static KV cache (export_for_generate)")
@@ -187,6 +202,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     from fxpass.tools.deploy import generate_main
 
     return generate_main(args)
+
+
+def _score_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("package", help="a directory written by fxpass export --generate")
+    s.add_argument("--against", help="another generation package of the same vocabulary "
+                   "(the fp32 export of the same model): its logits are the reference")
+    _device_argument(s, None, "refuse a package exported for another device")
+    ids = s.add_mutually_exclusive_group(required=True)
+    ids.add_argument("--prompt-ids", help="comma-separated token ids")
+    ids.add_argument("--ids-file", help="a text file of token ids (commas or spaces)")
+
+
+def _run_score(args: argparse.Namespace) -> int:
+    from fxpass.tools.deploy import score_main
+
+    return score_main(args)
 
 
 def _run_arguments(r: argparse.ArgumentParser) -> None:
@@ -223,4 +254,6 @@ def fxpass_commands() -> list[Command]:
                 _run_run),
         Command("generate", "generate tokens from a package made with export --generate",
                 _generate_arguments, _run_generate),
+        Command("score", "a generation package's logits on given ids against another's "
+                "(top-1, cosine, perplexity)", _score_arguments, _run_score),
     ]

@@ -81,7 +81,9 @@ class OrtDevice(Device):
             if weight_only.from_options(opts) is None:
                 resolve_config(opts.quantize)
         except QuantizationError as e:
-            raise TypeError(f"fxpass_{self.name} option 'quantize': {e}") from None
+            also = (f"; or weight-only {sorted(weight_only.BITS)} (blocks read by MatMulNBits, "
+                    "no calibration)") if "unknown quantize config" in str(e) else ""
+            raise TypeError(f"fxpass_{self.name} option 'quantize': {e}{also}") from None
         return opts
 
     def needs_frozen_weights(self, opts: Any) -> str | None:

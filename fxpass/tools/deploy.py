@@ -1,5 +1,5 @@
-"""``fxpass export MODEL OUT``, ``fxpass run OUT`` and ``fxpass generate OUT``: the
-ahead-of-time workflow from a shell.
+"""``fxpass export MODEL OUT``, ``fxpass run OUT``, ``fxpass generate OUT`` and ``fxpass
+score OUT``: the ahead-of-time workflow from a shell.
 
 ``export`` builds the model (a built-in name such as ``bert``, or ``path/to/file.py:factory``
 returning ``(model, args)``, ``(model, kwargs)`` or ``(model, args, kwargs)``; with
@@ -169,6 +169,51 @@ def generate_main(args: argparse.Namespace) -> int:
               if len(tokens) > 1 else "")
     print(f"load {loaded:.2f} s, first token (warm) {first:.1f} ms (prefill of "
           f"{ids.shape[1]} tokens), {new} tokens{decode}", file=sys.stderr)
+    return 0
+
+
+def score_main(args: argparse.Namespace) -> int:
+    """``fxpass score``: a generation package's teacher-forced logits over the given ids
+    (``Runner.score``), against another package's over the same ids (``--against``: the fp32
+    export of the same model, to check a ``quantize="w4"`` one before deploying it), as one
+    line on stdout: top-1 agreement, mean logit cosine and both perplexities; alone, its
+    perplexity. A user's mistake is one line on stderr, exit status 2."""
+    from fxpass.aot.quality import agreement
+
+    runners = []
+    for path in [args.package, *([args.against] if args.against else [])]:
+        runner = _load(path, "score", getattr(args, "device", None))
+        if runner is None:
+            return 2
+        if not hasattr(runner, "score"):
+            print(f"fxpass score: {path} is not a generation package (export it with "
+                  "fxpass export MODEL OUT --generate)", file=sys.stderr)
+            return 2
+        runners.append(runner)
+    try:
+        text = Path(args.ids_file).read_text() if args.ids_file else args.prompt_ids or ""
+        ids = torch.tensor([[int(x) for x in text.replace(",", " ").split()]])
+    except (OSError, ValueError) as e:
+        print(f"fxpass score: the ids must be integers separated by commas or spaces, in "
+              f"--prompt-ids or a --ids-file ({e})", file=sys.stderr)
+        return 2
+    if ids.shape[1] < 2:
+        print("fxpass score: give at least 2 token ids (a perplexity scores each next token)",
+              file=sys.stderr)
+        return 2
+    try:
+        logits = [r.score(ids) for r in runners]
+        q = agreement(logits[0], logits[-1], ids)
+    except ValueError as e:
+        print(f"fxpass score: {e}", file=sys.stderr)
+        return 2
+    n = ids.shape[1]
+    if args.against:
+        print(f"top-1 {q['top1']:.3f}, cosine {q['cosine']:.4f}, perplexity "
+              f"{q['perplexity']:.2f} against {q['reference_perplexity']:.2f}, over {n} "
+              "positions")
+    else:
+        print(f"perplexity {q['perplexity']:.2f} over {n} positions")
     return 0
 
 

@@ -164,3 +164,69 @@ def test_export_and_run_take_the_device(mlp_package, factory, tmp_path, capsys):
     assert main(["export", f"{factory}:mlp", str(tmp_path / "x"), "--device", "ort",
                  "--march", "nash-p"]) == 2
     assert "device 'ort' has no march" in _one_line_error(capsys, "export")
+
+
+def test_score_prints_agreement_against_another_package(lm_package, tmp_path, capsys):
+    """``fxpass score PKG --against REF``: one stdout line of the measures of
+    ``fxpass.aot.quality.agreement`` over the package's own logits (``Runner.score``); a
+    package against itself agrees everywhere. Ids from a file (commas or spaces) too."""
+    from fxpass.aot.quality import agreement
+
+    ids = [5, 9, 17, 3, 44, 61, 2, 8, 8, 100, 7, 12]
+    assert main(["score", str(lm_package), "--against", str(lm_package), "--prompt-ids",
+                 ",".join(map(str, ids))]) == 0
+    q = agreement(*[load(lm_package).score(torch.tensor([ids]))] * 2, torch.tensor([ids]))
+    out = capsys.readouterr().out.strip()
+    assert out == (f"top-1 1.000, cosine 1.0000, perplexity {q['perplexity']:.2f} against "
+                   f"{q['perplexity']:.2f}, over 12 positions"), out
+    f = tmp_path / "ids.txt"
+    f.write_text(" ".join(map(str, ids[:7])) + "\n")
+    assert main(["score", str(lm_package), "--ids-file", str(f)]) == 0
+    assert capsys.readouterr().out.strip().endswith("over 7 positions")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--prompt-ids", "5"], "at least 2 token ids"),
+    (["--prompt-ids", "5,x"], "integers separated by commas or spaces"),
+    (["--prompt-ids", ",".join(["5"] * 40)], f"past the cache of {CACHE}"),
+    (["--ids-file", "/nonexistent/ids.txt"], "integers separated by commas or spaces"),
+])
+def test_score_errors_are_one_line(lm_package, capsys, argv, says):
+    assert main(["score", str(lm_package), *argv]) == 2
+    assert says in _one_line_error(capsys, "score")
+
+
+def test_score_refuses_a_package_that_does_not_generate(mlp_package, capsys):
+    assert main(["score", str(mlp_package), "--prompt-ids", "1,2"]) == 2
+    assert "is not a generation package" in _one_line_error(capsys, "score")
+
+
+def test_export_takes_device_options_and_score_compares_the_packages(factory, lm_package,
+                                                                      tmp_path, capsys):
+    """``-o NAME=VALUE`` hands any device option to export (values parsed as Python literals,
+    else strings): a w4 package from the shell, scored against the float one."""
+    from fxpass.aot.package import read_manifest
+
+    out = tmp_path / "w4"
+    assert main(["export", f"{factory}:lm", str(out), "--generate", "--device", "ort",
+                 "-o", "quantize=w4", "-o", "block_size=32", "--max-cache-len", str(CACHE),
+                 "--prefill-length", str(CHUNK), "--min-compute-macs", "0"]) == 0
+    opts = read_manifest(out)["device_options"]
+    assert opts["quantize"] == "w4" and opts["block_size"] == 32
+    capsys.readouterr()
+    assert main(["score", str(out), "--against", str(lm_package), "--prompt-ids",
+                 "5,9,17,3,44,61,2,8,8,100,7,12"]) == 0
+    line = capsys.readouterr().out
+    cosine = float(line.split("cosine ")[1].split(",")[0])
+    assert 0.9 < cosine < 1.0, line  # quantized: close to the float package, not equal
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    ("quantize", "--option takes NAME=VALUE"),
+    ("nonsense=1", "unknown option(s) ['nonsense']"),
+    ("quantize=w5", "or weight-only ['w4', 'w8']"),
+])
+def test_export_option_errors_are_one_line(factory, tmp_path, capsys, option, says):
+    assert main(["export", f"{factory}:mlp", str(tmp_path / "p"), "--device", "ort",
+                 "-o", option]) == 2
+    assert says in _one_line_error(capsys, "export")
