@@ -116,6 +116,17 @@ def _load(path: str, verb: str, device: str | None = None) -> Any:
         return None
 
 
+def _load_runner(path: str, verb: str, device: str | None) -> Any:
+    """The generation runner of the package at ``path``, or None after printing why not (as
+    :func:`_load`, or: not a generation package)."""
+    runner = _load(path, verb, device)
+    if runner is not None and not hasattr(runner, "generate"):
+        print(f"fxpass {verb}: {path} is not a generation package (export it with "
+              "fxpass export MODEL OUT --generate)", file=sys.stderr)
+        return None
+    return runner
+
+
 class _Clock:
     """A streamer that stamps each token as ``generate`` emits it: one timed call then gives
     the first token's latency (prompt to first token) and the decode time per token."""
@@ -135,12 +146,8 @@ def generate_main(args: argparse.Namespace) -> int:
     """``fxpass generate``: the new tokens on stdout; load time, the warm first token and
     decode ms/token on stderr, timed on a second run of the user's own request."""
     t0 = time.perf_counter()
-    runner = _load(args.package, "generate", getattr(args, "device", None))
+    runner = _load_runner(args.package, "generate", getattr(args, "device", None))
     if runner is None:
-        return 2
-    if not hasattr(runner, "generate"):
-        print(f"fxpass generate: {args.package} is not a generation package (export it with "
-              "fxpass export MODEL OUT --generate)", file=sys.stderr)
         return 2
     loaded = time.perf_counter() - t0
     try:
@@ -182,12 +189,8 @@ def score_main(args: argparse.Namespace) -> int:
 
     runners = []
     for path in [args.package, *([args.against] if args.against else [])]:
-        runner = _load(path, "score", getattr(args, "device", None))
+        runner = _load_runner(path, "score", getattr(args, "device", None))
         if runner is None:
-            return 2
-        if not hasattr(runner, "score"):
-            print(f"fxpass score: {path} is not a generation package (export it with "
-                  "fxpass export MODEL OUT --generate)", file=sys.stderr)
             return 2
         runners.append(runner)
     try:
