@@ -73,7 +73,7 @@ class OrtDevice(Device):
 
     def check_options(self, raw: dict[str, Any]) -> Any:
         from fxpass.backends.onnx import weight_only
-        from fxpass.backends.onnx.quantize import QuantizationError, resolve_config
+        from fxpass.backends.onnx.quantize import CONFIGS, QuantizationError, resolve_config
 
         opts = Device.check_options(self, raw)
         check_threads(opts.threads, "threads", f"fxpass_{self.name}", "onnxruntime")
@@ -82,7 +82,8 @@ class OrtDevice(Device):
                 resolve_config(opts.quantize)
         except QuantizationError as e:
             also = (f"; or weight-only {sorted(weight_only.BITS)} (blocks read by MatMulNBits, "
-                    "no calibration)") if "unknown quantize config" in str(e) else ""
+                    "no calibration)") if isinstance(opts.quantize, str) and (
+                opts.quantize not in CONFIGS) else ""
             raise TypeError(f"fxpass_{self.name} option 'quantize': {e}{also}") from None
         return opts
 
