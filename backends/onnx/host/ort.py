@@ -22,39 +22,29 @@ from fxpass.jit.runtime import as_numpy as _np
 from fxpass.jit.runtime import as_tensor as _tensor
 from fxpass.jit.runtime import malloc_trim as _malloc_trim
 
-#: onnxruntime's pool threads stop spinning when a run ends (``session.force_spinning_stop``).
-#: Why: between two region calls the CPU runs torch ops (routing, the embedding, cache writes)
-#: and the other regions. A pool left spinning holds a core of this 2-core host: a
-#: mixture-of-experts forward with 5 regions per graph took 188 ms with onnxruntime's default
-#: against 18.8 ms with this (eager: 17.4 ms), and a decode step 10.0 against 8.5 ms
-#: (``python -m benchmarks.probes.spinning``). Within a run the threads still spin between
-#: operators, so one region alone runs as before. Only that benchmark sets it to False.
+#: onnxruntime's pool threads stop spinning when a run ends (``session.force_spinning_stop``):
+#: between two region calls the CPU runs torch ops and the other regions, and a pool left
+#: spinning holds a core of this 2-core host: a mixture-of-experts forward (5 regions per graph)
+#: took 188 against 18.8 ms with this (eager 17.4), a decode step 10.0 against 8.5 ms
+#: (``python -m benchmarks.probes.spinning``, the only code that sets it False).
 STOP_SPINNING = True
 
-#: onnxruntime graph optimizers left off. ``SkipLayerNormFusion`` folds a residual Add into
-#: the LayerNormalization after it; onnxruntime's CPU SkipLayerNormalization kernel is slower
-#: than the Add and LayerNormalization it replaces (BERT 4 x 256, batch 4 x 128 tokens: 10.5
-#: -> 8.5 ms per region call without it). The RMSNorm form is fused by onnxscript
-#: (``host.prepare``), whose SkipSimplifiedLayerNormalization this does not touch.
+#: onnxruntime graph optimizers left off: its CPU SkipLayerNormalization kernel is slower than
+#: the residual Add and LayerNormalization it fuses (BERT 4 x 256, 4 x 128 tokens: 10.5 -> 8.5
+#: ms per region call without it); onnxscript's RMSNorm form (``host.prepare``) is untouched.
 DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
 
-#: onnxruntime's memory pattern, left off. With it, a session's first run records its
-#: allocations and its second run allocates the planned block, fresh pages the kernels then
-#: fault in, so every variant's second call (the user's second pass over their shapes) ran
-#: 5-15% slower than its later ones: ELECTRA 4 x 512 at 6 shapes, 27-42 ms calls took 2-6 ms
-#: more on their second run. Without it the arena keeps what the first run allocated and the
-#: second run reuses it; later runs measured the same or faster (SmolLM2 package decode 5.52
-#: against 5.56 ms/token w4, 17.3 against 17.7 fp32). ``python -m
-#: benchmarks.probes.second_run`` measures both; only it sets this to True.
+#: onnxruntime's memory pattern, off: with it a session's second run allocates the block its
+#: first run planned, fresh pages to fault in, so each shape variant's second call ran ~8%
+#: slower than its later ones; without it the second run reuses the arena and later runs are
+#: unchanged (``python -m benchmarks.probes.second_run``, the only code that sets it True).
 MEMORY_PATTERN = False
 
 #: onnxruntime's optimization level for a region opened from its lowered model. ``ALL`` adds
-#: the layout passes (convolutions in the blocked NCHWc layout of this CPU's vector width):
-#: a transformers ResNet region at batch 2 x 128 x 128 ran in 1.94 instead of 2.48 ms. The
-#: model it writes is specific to this CPU, which is why the plan cache keys host entries by
-#: ``cache.host_cpu_fingerprint``; a package keeps the unoptimized model and optimizes at load.
+#: the layout passes (NCHWc convolutions: a ResNet region at 2 x 128 x 128 ran in 1.94 instead
+#: of 2.48 ms); its model is specific to this CPU, so the plan cache keys host entries by
+#: ``cache.host_cpu_fingerprint``, and a package keeps the unoptimized model.
 OPT_LEVEL = "ORT_ENABLE_ALL"
-
 
 #: a fused model's extra output (``host/decode_attention.py``): False when its kernels cannot
 #: answer this call exactly; the executor then declines the call (``RegionDeclined``)
