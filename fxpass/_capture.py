@@ -175,3 +175,63 @@ def capture(model: Callable, *args: Any, **kwargs: Any) -> list[GraphModule]:
         c.gm.meta["fxpass_example_inputs"] = c.inputs
         graphs.append(c.gm)
     return graphs
+
+
+def frame_writes_nothing() -> bool:
+    """Whether the frame Dynamo is compiling now (call from inside a backend) leaves every
+    Python object that existed before the call as it found it: no attribute or container
+    written to a new value, no tensor hook. False when unsure (another torch's internals).
+
+    Why: a compiled frame is a graph call plus the Python effects Dynamo replays around it.
+    A decode step replayed by calling the graph alone (``fxpass.hf.replay``) skips those
+    effects, so it may only replay frames that have none. Two kinds are no-ops and pass:
+    writes to the frame's own ``**kwargs`` dict (a new dict each call) and attributes
+    written back to the value they had (transformers' output collector sets and resets two
+    flags on every forward)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+
+        tx = InstructionTranslator.current_tx()
+        effects = tx.output.side_effects
+        if effects.tensor_hooks or effects.save_for_backward:
+            return False
+        own_kwargs = _var_keyword(tx.f_code)
+        for v in effects.id_to_variable.values():
+            if not effects.is_modified(v) or isinstance(
+                    v.mutation_type, AttributeMutationNew | ValueMutationNew):
+                continue
+            source = getattr(v, "source", None)
+            writes = effects.store_attr_mutations.get(v)
+            if own_kwargs and not writes and type(source).__name__ == "LocalSource" and (
+                    getattr(source, "local_name", None) == own_kwargs):
+                continue
+            if not writes or not hasattr(v, "value") or not all(
+                    _unchanged(v.value, name, vt) for name, vt in writes.items()):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - Dynamo's private internals; unknown means "not pure"
+        return False
+
+
+def _var_keyword(code: Any) -> str | None:
+    """The name of ``code``'s ``**kwargs`` parameter, if it has one."""
+    import inspect
+
+    if not code.co_flags & inspect.CO_VARKEYWORDS:
+        return None
+    n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+    return code.co_varnames[n]
+
+
+_MISSING = object()
+
+
+def _unchanged(obj: Any, name: str, vt: Any) -> bool:
+    """Whether Dynamo's pending write of ``vt`` to ``obj.name`` writes the value it has now
+    (plain constants only)."""
+    if not vt.is_python_constant():
+        return False
+    new, old = vt.as_python_constant(), getattr(obj, name, _MISSING)
+    plain = (type(None), bool, int, float, str)
+    return isinstance(new, plain) and type(old) is type(new) and old == new

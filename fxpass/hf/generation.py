@@ -294,6 +294,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
                     raise
                 del kwargs["prefill_chunk_size"]
                 loop.prefill = None
+                loop.steps.forget()
                 inputs.start()
                 out = generate(*args, **kwargs)  # raising too: the caller's error after all
                 prefill.give_up(model, e)
@@ -307,6 +308,7 @@ def _loop_on_threads(generate: Callable, loop: _GenerateState, prefill: PrefillC
             loop.depth -= 1
             inputs.active = False
             inputs.start()  # drop the last step's tensors
+            loop.steps.forget()  # ... and the replay plans' (the cache buffers among them)
 
     setattr(wrapper, UNCOMPILED, generate)
     return wrapper

@@ -36,6 +36,10 @@ two steps (callbacks, hooks, modes, a subclass's or a patched method), so the we
 before checked are the weights now; that saves reading every frozen weight's pointer and
 version per token (about 80 us on Qwen3 4 x 512).
 
+In a quiet call the steps after that skip Dynamo's frame too, once two steps with the same
+signature have taught a plan: they call the step's compiled graph directly
+(``fxpass.hf.replay``, which says when).
+
 A trusted step whose guards miss anyway (torch refuses to compile under the stance) runs again
 under every guard, and the rest of that call checks every guard.
 
@@ -57,13 +61,14 @@ from typing import Any
 
 import torch
 
+from fxpass.hf.replay import Plan, watched
 from fxpass.jit.held import HELD
 
 #: ``step_guards`` values of ``compile_for_generate``
 MODES = ("auto", "all")
-#: forward calls run under the differentiating guards only ("trusted") or every guard ("full"),
-#: and trusted ones whose guards missed ("missed", run again in full), in this process; tests
-#: assert on it
+#: forward calls run under the differentiating guards only ("trusted"), every guard ("full") or
+#: as their compiled graph alone ("replayed", ``fxpass.hf.replay``), and trusted ones whose
+#: guards missed ("missed", run again in full), in this process; tests assert on it
 STEPS: Counter[str] = Counter()
 #: threads whose names start so are fxpass's own (the backend's region compiles, the tiered
 #: executor's second-tier builds, package preloading): they never run a torch.compile'd frame
@@ -286,11 +291,23 @@ class StepGuards:
         self.last: tuple | None = None
         self.off = False  # a trusted step missed: every guard for the rest of the call
         self.hold = False  # a quiet call (``fxpass.hf.quiet``): trusted steps skip weights
+        #: a quiet call's replayed steps (``fxpass.hf.replay``): per step signature, its plan
+        #: (None: its steps gave none); the last watched step (its signature, graph call and
+        #: output) to learn one from; and whether this call learns at all
+        self.plans: dict[tuple, Plan | None] = {}
+        self.seen: tuple | None = None
+        self.learning = False
 
     def start(self, hold: bool = False) -> None:
         """A new ``generate()`` call: its first steps run every guard. ``hold``: the call is
         quiet (``fxpass.hf.quiet``), so its trusted steps skip the weight guard too."""
         self.last, self.off, self.hold = None, False, hold
+        self.plans, self.seen, self.learning = {}, None, hold
+
+    def forget(self) -> None:
+        """Drop the replay plans and the watched step: the tensors they hold (a cache's
+        buffers) are freed with the call, and a retried call learns its own."""
+        self.plans, self.seen = {}, None
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
              eligible: bool) -> Any:
@@ -300,14 +317,25 @@ class StepGuards:
         if self.mode != "auto":
             STEPS["full"] += 1
             return fn(*args, **kwargs)
-        before = compiles()
         if not eligible or self.off:  # every guard; still counts the graphs it compiles
-            return self._full(fn, args, kwargs, None, before)
+            return self._full(fn, args, kwargs, None, compiles())
         sig = signature(args, kwargs)
+        # a replay enters no Dynamo frame: which graph Dynamo would pick (the owner's
+        # check) does not matter; the stance and the threads still do, as for a trusted step
+        plan = self.plans.get(sig) if sig == self.last else None
+        if plan is not None and plan.fits() and default_stance() and alone():
+            STEPS["replayed"] += 1
+            return plan(kwargs, self.hold)
+        before = compiles()
         if (sig == self.last and before is not None and self.owner.sound(before)
                 and default_stance() and alone()):
             try:
-                out = differentiating_guards(fn, args, kwargs, self.hold)
+                if self.learning and sig not in self.plans:
+                    out, seen = watched(differentiating_guards, (fn, args, kwargs, self.hold),
+                                        {})
+                    self._learn(sig, seen, out, kwargs)
+                else:
+                    out = differentiating_guards(fn, args, kwargs, self.hold)
             except RuntimeError as e:
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
@@ -324,7 +352,8 @@ class StepGuards:
         """A step under every guard; records the graphs it compiled as the owner's, and
         remembers its signature when it compiled nothing."""
         owner = self.owner
-        out = fn(*args, **kwargs)
+        watch = self.learning and sig is not None and sig not in self.plans
+        out, seen = watched(fn, args, kwargs) if watch else (fn(*args, **kwargs), None)
         after = compiles()
         STEPS["full"] += 1
         if before is None or after is None:
@@ -333,4 +362,19 @@ class StepGuards:
         if after != before:
             owner.record(after[2] != before[2])
         self.last = sig if after == before and not self.off else None
+        if watch:
+            self._learn(self.last, seen, out, kwargs)
         return out
+
+    def _learn(self, sig: tuple | None, seen: Any, out: Any, kwargs: dict[str, Any]) -> None:
+        """After a watched step (``sig``: its signature, None when it compiled something):
+        learn a replay plan from it and the step before when both ran one graph with the same
+        signature; steps of a signature that gave none are not watched again in this call."""
+        if sig is None or seen is None:
+            self.seen = None
+            return
+        if self.seen is not None and self.seen[0] == sig:
+            self.plans[sig] = Plan.learn(self.seen[1], (seen, out), kwargs)
+            self.seen = None
+            return
+        self.seen = (sig, (seen, out))

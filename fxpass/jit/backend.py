@@ -26,7 +26,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from fxpass import device as devices
-from fxpass._capture import aot_backend
+from fxpass._capture import aot_backend, frame_writes_nothing
 from fxpass.graph import is_static
 from fxpass.hf.generation import warn_if_growing, warn_if_recompiling
 from fxpass.jit import plan
@@ -123,12 +123,18 @@ def runner(aot_gm: GraphModule, opts: Options) -> Callable:
     from fxpass.jit import shapes
     from fxpass.jit.guarded import GuardedGraph
 
+    pure = frame_writes_nothing()
+
+    def guarded(gm: GraphModule) -> GuardedGraph:
+        g = GuardedGraph(gm, opts)
+        g.pure = pure
+        return g
+
     keyed, frame = shapes.specializable(aot_gm), shapes.frame_key(aot_gm)
     if keyed is not None:  # symbolic sizes: one static variant per input signature
         # at its first call it compiles the shapes the frame's earlier graphs served
-        return shapes.ShapeVariants(aot_gm, keyed, opts, lambda gm: GuardedGraph(gm, opts),
-                                    frame)
-    run = GuardedGraph(aot_gm, opts)
+        return shapes.ShapeVariants(aot_gm, keyed, opts, guarded, frame)
+    run = guarded(aot_gm)
     shapes.remember(frame, shapes.tensor_shapes(
         p.meta.get("val") for p in aot_gm.graph.find_nodes(op="placeholder")))
     return run

@@ -55,6 +55,9 @@ class GuardedGraph:
         self.pristine = _clone(aot_gm)
         self.opts = opts
         self.who = f"fxpass_{opts.device}"
+        #: Dynamo's frame around this graph writes no Python state (``_capture.
+        #: frame_writes_nothing``): a step of it may be replayed by calling this graph alone
+        self.pure = False
         self._rebuilds: dict[tuple, int] = {}  # warned rebuilds per set of tensors
         self._buffer_writes: Counter[int] = Counter()
         self.evictions = 0
@@ -146,6 +149,18 @@ class GuardedGraph:
         return self.pristine, report
 
     def __call__(self, *args: Any) -> Any:
+        tap = HELD.tap
+        if tap is None:
+            return self._call(*args)
+        HELD.tap = None  # a graph called from inside this one is not the step's
+        try:
+            out = self._call(*args)
+        finally:
+            HELD.tap = tap
+        tap.append((self, args, out))
+        return out
+
+    def _call(self, *args: Any) -> Any:
         held = HELD.on
         if held:  # this graph's (a trusted forward's one graph): a graph called from inside
             HELD.on = False  # this one, through a custom op, checks its own weights

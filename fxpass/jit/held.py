@@ -16,10 +16,15 @@ class Held(threading.local):
     that runs none of the caller's code between steps (``fxpass.hf.quiet``): the step before
     checked the same weights. The first guarded graph called takes the flag (sets it back to
     False): a trusted forward runs one graph, and any graph called from inside it checks its
-    own weights."""
+    own weights.
+
+    ``tap``: a list while ``fxpass.hf.replay`` watches a forward call (None otherwise): every
+    guarded graph called appends (itself, its arguments, its outputs), so the watcher learns
+    which compiled graph a decode step ran and with what."""
 
     def __init__(self) -> None:
         self.on = False
+        self.tap: list | None = None
 
 
 HELD = Held()
