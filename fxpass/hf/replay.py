@@ -36,23 +36,26 @@ DEPTH = 2
 
 def watched(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """``fn(*args, **kwargs)`` and the one guarded graph call it made, as (graph, arguments,
-    outputs), or None when it made none or several."""
-    outer = HELD.tap
+    outputs), or None when it made none or several, or when the call left torch's grad or
+    inference mode changed (an effect of the frame that Dynamo keeps out of its side
+    effects: calling the graph alone would not make it)."""
+    outer, modes = HELD.tap, _modes()
     HELD.tap = tap = []
     try:
         out = fn(*args, **kwargs)
     finally:
         HELD.tap = outer
-    return out, (tap[0] if len(tap) == 1 else None)
+    return out, (tap[0] if len(tap) == 1 and _modes() == modes else None)
 
 
-def _leaves(kwargs: dict[str, Any]) -> dict[int, tuple]:
+def _leaves(kwargs: dict[str, Any]) -> dict[int, tuple | None]:
     """id -> path of every tensor and object among ``kwargs`` (dicts, lists and tuples looked
-    into, :data:`DEPTH` deep)."""
-    found: dict[int, tuple] = {}
+    into, :data:`DEPTH` deep); None for an object found at two paths (which of them a later
+    step's argument follows is unknown)."""
+    found: dict[int, tuple | None] = {}
 
     def walk(v: Any, path: tuple) -> None:
-        found.setdefault(id(v), path)
+        found[id(v)] = None if id(v) in found else path
         if len(path) < DEPTH:
             items = v.items() if type(v) is dict else enumerate(v) if type(v) in (
                 list, tuple) else ()
@@ -96,10 +99,13 @@ class Plan:
         leaves = _leaves(kwargs)
         picks, held = [], list(args)
         for i, (a, a0) in enumerate(zip(args, args0, strict=True)):
-            if id(a) in leaves and isinstance(a, torch.Tensor):
+            if not isinstance(a, torch.Tensor):  # a symbolic int: a value the guards watch
+                return None
+            if id(a) in leaves:
+                if leaves[id(a)] is None:
+                    return None
                 picks.append((i, leaves[id(a)]))
-            elif not (a is a0 or (type(a) in (int, float, bool) and type(a) is type(a0)
-                                  and a == a0)):
+            elif a is not a0:
                 return None
         build = _builder(result, result0, outs, leaves)
         if build is None:
@@ -145,7 +151,7 @@ def _builder(result: Any, result0: Any, outs: Any, leaves: dict[int, tuple]
     for k, v in items:
         if id(v) in by_id:
             fields.append((k, "out", by_id[id(v)]))
-        elif id(v) in leaves and len(leaves[id(v)]) == 1:
+        elif leaves.get(id(v)) is not None and len(leaves[id(v)]) == 1:
             fields.append((k, "kw", leaves[id(v)][0]))
         elif k in old and old[k] is v:
             fields.append((k, "same", v))

@@ -320,15 +320,16 @@ class StepGuards:
         if not eligible or self.off:  # every guard; still counts the graphs it compiles
             return self._full(fn, args, kwargs, None, compiles())
         sig = signature(args, kwargs)
-        # a replay enters no Dynamo frame: which graph Dynamo would pick (the owner's
-        # check) does not matter; the stance and the threads still do, as for a trusted step
-        plan = self.plans.get(sig) if sig == self.last else None
-        if plan is not None and plan.fits() and default_stance() and alone():
+        before = compiles()
+        # everything a trusted step needs (the owner's check also rules out a graph break:
+        # Python outside the one graph, which a replay would skip)
+        trusted = (sig == self.last and before is not None and self.owner.sound(before)
+                   and default_stance() and alone())
+        plan = self.plans.get(sig) if trusted else None
+        if plan is not None and plan.fits():
             STEPS["replayed"] += 1
             return plan(kwargs, self.hold)
-        before = compiles()
-        if (sig == self.last and before is not None and self.owner.sound(before)
-                and default_stance() and alone()):
+        if trusted:
             try:
                 if self.learning and sig not in self.plans:
                     out, seen = watched(differentiating_guards, (fn, args, kwargs, self.hold),
@@ -352,7 +353,8 @@ class StepGuards:
         """A step under every guard; records the graphs it compiled as the owner's, and
         remembers its signature when it compiled nothing."""
         owner = self.owner
-        watch = self.learning and sig is not None and sig not in self.plans
+        watch = (self.learning and sig is not None and sig not in self.plans
+                 and before is not None and owner.sound(before))
         out, seen = watched(fn, args, kwargs) if watch else (fn(*args, **kwargs), None)
         after = compiles()
         STEPS["full"] += 1

@@ -125,3 +125,77 @@ def test_a_frame_that_writes_python_state_is_never_replayed():
     assert box.calls == 1
     assert _graph_of(sets_and_resets, x, w).pure is True
     assert _graph_of(plain, x, w).pure is True
+
+
+class _Drift(torch.nn.Module):
+    """A logit bias whose schedule a function Dynamo does not trace advances after the LM
+    head: Python outside the step's one graph (with nested graph breaks on, the forward stays
+    one frame) that a replay would skip (found in review)."""
+
+    def __init__(self, inner, vocab):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("t", torch.zeros(()))
+        self.register_buffer("vocab_ids", torch.arange(vocab))
+
+    @torch.compiler.disable
+    def _advance(self):
+        self.t.add_(1)
+
+    def forward(self, x):
+        y = self.inner(x) + 50.0 * (self.vocab_ids == self.t + 100)  # boosts token 100 + t
+        self._advance()
+        return y
+
+
+def test_a_forward_with_a_graph_break_is_never_replayed(opts):
+    with torch._dynamo.config.patch(nested_graph_breaks=True):
+        _graph_break_case(opts)
+
+
+def _graph_break_case(opts):
+    import copy
+
+    model, inputs = zoo.get("qwen3", layers=2, tokens=6)
+    model.lm_head = _Drift(model.lm_head, model.config.vocab_size)
+    ids = inputs["input_ids"]
+    reference = copy.deepcopy(model)
+    expected = _generate(reference, ids, cache_implementation="static")
+    assert expected[0, -3:].tolist() == [105, 106, 107]  # the bias sets every token
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    model.lm_head.t.zero_()
+    got, n = _counted(model, ids)
+    assert torch.equal(got, expected)
+    assert n["replayed"] == 0 and n["trusted"] == 0, n
+
+
+def test_a_frame_that_changes_the_grad_mode_is_never_replayed():
+    """Dynamo keeps a frame's grad-mode change out of its side effects (the graph stays
+    pure); watching the call sees it and learns no plan."""
+    from fxpass.hf import replay
+
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+
+    def enables(x, w):
+        torch._C._set_grad_enabled(True)
+        return torch.relu(x @ w)
+
+    compiled = torch.compile(enables, backend="fxpass_ort", dynamic=False,
+                             options={"min_compute_macs": 0, "cache": False})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(x, w)  # compiles
+        torch._C._set_grad_enabled(False)
+        _, seen = replay.watched(compiled, (x, w), {})
+        assert torch.is_grad_enabled()  # the frame's effect, which a replay would not make
+        torch._C._set_grad_enabled(False)
+        _, plain = replay.watched(_graph_of_call(x, w), (x, w), {})
+    assert seen is None and plain is not None
+
+
+def _graph_of_call(x, w):
+    compiled = torch.compile(lambda x, w: torch.relu(x @ w), backend="fxpass_ort",
+                             dynamic=False, options={"min_compute_macs": 0, "cache": False})
+    compiled(x, w)
+    return compiled
