@@ -252,13 +252,8 @@ def test_guard_keeps_one_variant_per_weights_and_evicts_stale_versions():
     assert all(sig[0][2] == w1._version for sig in g.variants if sig[0][1] == w1.data_ptr())
 
 
-@pytest.mark.slow  # the fast tier's 4-minute budget
-def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
-    """A mixture-of-experts forward is several regions with torch's routing between them.
-    onnxruntime's pool threads must stop spinning after each run (``force_spinning_stop``):
-    left spinning they made this graph about 11x slower than eager on 2 cores
-    (`benchmarks.probes.spinning`).
-    Checked on every session the compile makes, cold and from a plan hit."""
+def _session_options(monkeypatch) -> list:
+    """The options of every host session opened from now on (filled as they open)."""
     from fxpass.backends.onnx.host import ort as runtime
 
     made = []
@@ -269,6 +264,17 @@ def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
         made.append(self.session.get_session_options())
 
     monkeypatch.setattr(runtime.OrtExecutor, "__init__", spy)
+    return made
+
+
+@pytest.mark.slow  # the fast tier's 4-minute budget
+def test_mixed_cpu_and_region_graph_stops_pool_spinning(opts, monkeypatch):
+    """A mixture-of-experts forward is several regions with torch's routing between them.
+    onnxruntime's pool threads must stop spinning after each run (``force_spinning_stop``):
+    left spinning they made this graph about 11x slower than eager on 2 cores
+    (`benchmarks.probes.spinning`).
+    Checked on every session the compile makes, cold and from a plan hit."""
+    made = _session_options(monkeypatch)
     model, kwargs = zoo.get("qwen3-moe", layers=2, tokens=16)
     with torch.no_grad():
         expected = model(**kwargs).logits
@@ -290,16 +296,7 @@ def test_sessions_open_without_the_memory_pattern(opts, monkeypatch):
     second run allocated and faulted in a fresh planned block, so each shape variant's second
     call ran 5-15% slower than its later ones (``benchmarks.probes.second_run``). Checked on
     the sessions of two shape variants, cold and from a plan hit, and their values."""
-    from fxpass.backends.onnx.host import ort as runtime
-
-    made = []
-    real_init = runtime.OrtExecutor.__init__
-
-    def spy(self, *a, **k):
-        real_init(self, *a, **k)
-        made.append(self.session.get_session_options())
-
-    monkeypatch.setattr(runtime.OrtExecutor, "__init__", spy)
+    made = _session_options(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     xs = [torch.randn(2, 32), torch.randn(5, 32)]
     with torch.no_grad():
