@@ -149,18 +149,8 @@ class GuardedGraph:
         return self.pristine, report
 
     def __call__(self, *args: Any) -> Any:
-        tap = HELD.tap
-        if tap is None:
-            return self._call(*args)
-        HELD.tap = None  # a graph called from inside this one is not the step's
-        try:
-            out = self._call(*args)
-        finally:
-            HELD.tap = tap
-        tap.append((self, args, out))
-        return out
-
-    def _call(self, *args: Any) -> Any:
+        if HELD.tap is not None:  # a watched step (``fxpass.hf.replay``)
+            return self._tapped(args)
         held = HELD.on
         if held:  # this graph's (a trusted forward's one graph): a graph called from inside
             HELD.on = False  # this one, through a custom op, checks its own weights
@@ -178,6 +168,17 @@ class GuardedGraph:
             ):
                 return self._weights_changed(args)
         return self.run(*args)
+
+    def _tapped(self, args: tuple) -> Any:
+        """A call while a step is watched: run as any other, and tell the watcher."""
+        tap = HELD.tap
+        HELD.tap = None  # a graph called from inside this one is not the step's
+        try:
+            out = self(*args)
+        finally:
+            HELD.tap = tap
+        tap.append((self, args, out))
+        return out
 
     @property
     def rebuilds(self) -> int:
