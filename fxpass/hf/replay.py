@@ -85,8 +85,9 @@ class Plan:
     build the forward's return value from the graph's outputs."""
 
     def __init__(self, graph: Any, args: list[Any], picks: list[tuple[int, tuple]],
-                 build: Callable[[tuple, dict[str, Any]], Any], grad: tuple[bool, bool]):
-        self.graph, self.args, self.picks, self.build, self.grad = graph, args, picks, build, grad
+                 build: Callable[[tuple, dict[str, Any]], Any], modes: tuple[bool, bool]):
+        self.graph, self.args, self.picks, self.build = graph, args, picks, build
+        self.modes = modes  # torch's grad and inference modes when learned
 
     @classmethod
     def learn(cls, before: tuple, now: tuple, kwargs: dict[str, Any]) -> Plan | None:
@@ -95,7 +96,7 @@ class Plan:
         neither constant nor found (module docstring)."""
         (graph, args, outs), result = now
         (graph0, args0, _), result0 = before
-        if graph is not graph0 or not graph.pure or len(args) != len(args0):
+        if graph is not graph0 or not graph.pure:  # (one graph: the same arity)
             return None
         leaves = _leaves(kwargs)
         picks, held = [], list(args)
@@ -117,7 +118,7 @@ class Plan:
         """Whether this step runs under the grad and inference modes the plan was learned
         under (Dynamo guards both; nothing of the caller's runs between two steps of a quiet
         call to change them, but a nested call could)."""
-        return _modes() == self.grad
+        return _modes() == self.modes
 
     def __call__(self, kwargs: dict[str, Any], hold: bool) -> Any:
         """The step: the graph called with this step's arguments (``hold``: its weight guard
@@ -133,7 +134,7 @@ class Plan:
         return self.build(outs, kwargs)
 
 
-def _builder(result: Any, result0: Any, outs: Any, leaves: dict[int, tuple]
+def _builder(result: Any, result0: Any, outs: Any, leaves: dict[int, tuple | None]
              ) -> Callable[[tuple, dict[str, Any]], Any] | None:
     """How to make a forward's return value like ``result`` (a transformers ``ModelOutput``
     or a tuple) from a step's graph outputs and keyword arguments; None if some field is not

@@ -291,18 +291,17 @@ class StepGuards:
         self.last: tuple | None = None
         self.off = False  # a trusted step missed: every guard for the rest of the call
         self.hold = False  # a quiet call (``fxpass.hf.quiet``): trusted steps skip weights
-        #: a quiet call's replayed steps (``fxpass.hf.replay``): per step signature, its plan
-        #: (None: its steps gave none); the last watched step (its signature, graph call and
-        #: output) to learn one from; and whether this call learns at all
+        #: a quiet call's replayed steps (``fxpass.hf.replay``; only quiet calls learn them):
+        #: per step signature, its plan (None: its steps gave none); and the last watched step
+        #: (its signature, graph call and output) to learn one from
         self.plans: dict[tuple, Plan | None] = {}
         self.seen: tuple | None = None
-        self.learning = False
 
     def start(self, hold: bool = False) -> None:
         """A new ``generate()`` call: its first steps run every guard. ``hold``: the call is
         quiet (``fxpass.hf.quiet``), so its trusted steps skip the weight guard too."""
         self.last, self.off, self.hold = None, False, hold
-        self.plans, self.seen, self.learning = {}, None, hold
+        self.plans, self.seen = {}, None
 
     def forget(self) -> None:
         """Drop the replay plans and the watched step: the tensors they hold (a cache's
@@ -331,7 +330,7 @@ class StepGuards:
             return plan(kwargs, self.hold)
         if trusted:
             try:
-                if self.learning and sig not in self.plans:
+                if self._watches(sig):
                     out, seen = watched(differentiating_guards, (fn, args, kwargs, self.hold),
                                         {})
                     self._learn(sig, seen, out, kwargs)
@@ -353,8 +352,7 @@ class StepGuards:
         """A step under every guard; records the graphs it compiled as the owner's, and
         remembers its signature when it compiled nothing."""
         owner = self.owner
-        watch = (self.learning and sig is not None and sig not in self.plans
-                 and before is not None and owner.sound(before))
+        watch = self._watches(sig) and before is not None and owner.sound(before)
         out, seen = watched(fn, args, kwargs) if watch else (fn(*args, **kwargs), None)
         after = compiles()
         STEPS["full"] += 1
@@ -367,6 +365,11 @@ class StepGuards:
         if watch:
             self._learn(self.last, seen, out, kwargs)
         return out
+
+    def _watches(self, sig: tuple | None) -> bool:
+        """Whether a step of ``sig`` is watched to learn a plan: a quiet call's, of a
+        signature no plan (or no-plan verdict) is known for yet."""
+        return self.hold and sig is not None and sig not in self.plans
 
     def _learn(self, sig: tuple | None, seen: Any, out: Any, kwargs: dict[str, Any]) -> None:
         """After a watched step (``sig``: its signature, None when it compiled something):

@@ -199,3 +199,15 @@ def _graph_of_call(x, w):
                              dynamic=False, options={"min_compute_macs": 0, "cache": False})
     compiled(x, w)
     return compiled
+
+
+def test_beam_search_is_never_replayed(opts):
+    """HF's beam search reorders the static cache by rebinding its buffers every step: no
+    argument is the same object twice, so no plan is learned (docs/generation.md says so)."""
+    model, inputs = zoo.get("qwen3", layers=2, tokens=6)
+    ids = inputs["input_ids"]
+    expected = _generate(model, ids, num_beams=2, cache_implementation="static")
+    generation.compile_for_generate(model, max_cache_len=32, options=opts, device="ort")
+    got, n = _counted(model, ids, num_beams=2)
+    assert torch.equal(got, expected)
+    assert n["replayed"] == 0, n
