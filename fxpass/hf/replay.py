@@ -4,7 +4,7 @@ Why: a trusted decode step (``fxpass.hf.steps``) still enters Dynamo's frame: th
 bytecode fetches every parameter the graph reads from the module tree, checks the guards that
 tell graphs apart, runs AOTAutograd's wrapper, and builds the output object. Right after a
 region has streamed the weights through the caches, replaying instead saved 0.08-0.45 ms per
-token on Qwen3 and Llama 4 x 512 over four runs of ``benchmarks.probes.replay`` (a package
+token on Qwen3 and Llama 4 x 512 over five runs of ``benchmarks.probes.replay`` (a package
 step spends 0.24 ms outside its region).
 A package's runner calls its graph with arguments it holds; a replayed step does the same.
 
